@@ -1,0 +1,70 @@
+"""`jzero` command line: train (and, as they land, layout / hlo / memory / ckpt).
+
+JAX is imported only after the config is read, so `train.host_devices` can set the
+number of simulated CPU devices before the backend starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from jzero.config import Config, ConfigError, load_config
+
+
+def _start_jax(cfg: Config) -> None:
+    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", cfg.train.host_devices)
+    except RuntimeError:
+        pass  # JAX already started in this process; make_mesh reports a device-count mismatch
+
+
+
+def _cmd_train(args) -> int:
+    cfg = load_config(args.config, args.set)
+    _start_jax(cfg)
+    from jzero.train import report
+    from jzero.train.loop import train
+
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    summary = train(cfg, out, progress=not args.quiet)
+    print(report.format_summary(summary))
+    print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jzero", description="ZeRO-1/2/3 for JAX, Megatron-exact.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp):
+        sp.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny GPT)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim")
+
+    t = sub.add_parser("train", help="train a GPT with a ZeRO strategy")
+    with_config(t)
+    t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(fn=_cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jzero: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Typed run configuration: frozen dataclasses loaded from YAML plus `--set` overrides.
+
+Every key is validated once, at load time; a bad key or value raises one
+`ConfigError` that names it. This module imports no JAX so the CLI can read the
+config (and `train.host_devices`) before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key, value or combination; the message names the key."""
+
+
+class ShardingStrategy(str, enum.Enum):
+    """Megatron's `data_parallel_sharding_strategy`: what is sharded over the DP domain."""
+
+    NO_SHARD = "no_shard"  # DDP: everything replicated, grads all-reduced
+    OPTIM = "optim"  # ZeRO-1: optimizer state + fp32 main params sharded
+    OPTIM_GRADS = "optim_grads"  # ZeRO-2: ... and the reduced gradients
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
+
+
+class ZeroPath(str, enum.Enum):
+    """How the data-parallel collectives are produced."""
+
+    SPEC = "spec"  # sharding specs; XLA emits the collectives
+    FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
+
+
+class DType(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class OptimizerName(str, enum.Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class DataKind(str, enum.Enum):
+    SYNTHETIC = "synthetic"  # seeded Markov-chain tokens
+    TEXT = "text"  # byte-level tokens from a directory of text files
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A GPT: token + position embeddings, pre-norm attention and MLP blocks."""
+
+    vocab_size: int = 256  # byte-level text needs >= 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512  # 4 x d_model, as in GPT-2
+    seq_len: int = 128
+    tie_embeddings: bool = True  # output head reuses the token embedding
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; their product must equal the number of devices."""
+
+    dp: int = 8  # data parallel (dense and expert params)
+    ep: int = 1  # expert parallel; dense params are also data-parallel over it
+    tp: int = 1  # tensor parallel (Megatron column/row parallel layers)
+    dp_outer: int = 1  # outer data-parallel axis for HSDP (replicas of a sharded group)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """Which ZeRO stage, and how its collectives are produced."""
+
+    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS
+    path: ZeroPath = ZeroPath.SPEC
+    bucket_size: int | None = None  # elements per flat bucket; None = one bucket per buffer
+    pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    param_dtype: DType = DType.FLOAT32  # the model copy used in forward/backward
+    grad_reduce_dtype: DType = DType.FLOAT32  # dtype of the grad buffer and its reduction
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.ADAMW
+    lr: float = 3e-3  # peak learning rate
+    b1: float = 0.9  # Adam beta1; SGD momentum (0 = plain SGD)
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW only; applied to matrices, not biases/norms
+    clip_grad: float | None = 1.0  # global-norm clipping over all shards; None = off
+    warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 32  # sequences per step, over all data-parallel ranks
+    microbatches: int = 1  # gradient accumulation steps (scanned)
+    seed: int = 0  # init and data order
+    log_every: int = 10  # progress-bar refresh interval in steps
+    host_devices: int = 8  # simulated CPU devices (ignored on GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    kind: DataKind = DataKind.TEXT
+    path: str | None = None  # text: directory of files; None = the Python stdlib's .py files
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    zero: ZeroConfig = ZeroConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+
+    @property
+    def dp_domain_size(self) -> int:
+        """Ranks dense params are data-parallel over (dp_outer x dp x ep)."""
+        return self.mesh.dp_outer * self.mesh.dp * self.mesh.ep
+
+    @property
+    def n_devices(self) -> int:
+        return self.mesh.dp_outer * self.mesh.dp * self.mesh.ep * self.mesh.tp
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Checks and converts one YAML value to the field type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, inner, value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in tp)
+            raise ConfigError(f"{key}={value!r} is not one of: {choices}") from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{key}.")
+        else:
+            kwargs[name] = _coerce(key, tp, value)
+    return cls(**kwargs)
+
+
+def _apply_override(raw: dict, assignment: str) -> None:
+    """Applies one `a.b=value` override (value parsed as YAML) to the raw dict."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r} must look like section.key=value")
+    dotted, text = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Loads YAML, applies `--set` overrides, validates.
+
+    With no path the embedded default is used: the dataclass defaults above, which
+    `configs/default.yaml` spells out (a test keeps the two equal).
+    """
+    raw = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    for assignment in overrides:
+        _apply_override(raw, assignment)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(raw: dict) -> Config:
+    """Builds and validates a Config from a nested dict (e.g. a checkpoint's metadata)."""
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain YAML/JSON-able values."""
+
+    def plain(v):
+        return v.value if isinstance(v, enum.Enum) else v
+
+    return {
+        f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+        for f in dataclasses.fields(cfg)
+    }
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+
+
+def validate(cfg: Config) -> None:
+    """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
+    m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
+    for section in ("model", "mesh"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                _positive(f"{section}.{f.name}", value)
+    for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("optimizer.lr", o.lr)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    if o.clip_grad is not None:
+        _positive("optimizer.clip_grad", o.clip_grad)
+    if cfg.zero.bucket_size is not None:
+        _positive("zero.bucket_size", cfg.zero.bucket_size)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % mesh.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.d_ff % mesh.tp:
+        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
+    split = cfg.dp_domain_size * t.microbatches
+    if t.global_batch % split:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
+            f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
+        )
+    if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ConfigError("zero.strategy=optim_grads_params (ZeRO-3) is not yet supported")
+    if mesh.dp_outer != 1:
+        raise ConfigError(f"mesh.dp_outer={mesh.dp_outer}: HSDP is not yet supported, use 1")

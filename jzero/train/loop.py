@@ -1,0 +1,143 @@
+"""The training harness: config -> mesh, model, ZeRO optimizer, jitted step -> metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jzero.config import Config, OptimizerName
+from jzero.mesh import make_mesh
+from jzero.train.data import make_dataset
+from jzero.train.model import GPTModel
+from jzero.zero.optimizer import state_shardings, zero_optimizer, ZeroOptimizer
+from jzero.zero.step import TrainState, batch_sharding, build_train_step, init_train_state, train_state_shardings
+from jzero.zero.strategies import ShardingPlan, make_plan
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to `optimizer.lr`, then cosine decay to 10% of it at `train.steps`."""
+    o = cfg.optimizer
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
+        end_value=0.1 * o.lr,
+    )
+
+
+def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The element-wise optax transformation the ZeRO wrapper shards (clipping lives in the wrapper)."""
+    o, lr = cfg.optimizer, lr_schedule(cfg)
+    if o.name == OptimizerName.SGD:
+        return optax.sgd(lr, momentum=o.b1 or None)
+    if o.name == OptimizerName.ADAM:
+        return optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps)
+    # Megatron applies weight decay to matrices only, not to biases and norm scales.
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one training run is built from; see `setup`."""
+
+    cfg: Config
+    mesh: Mesh
+    model: GPTModel
+    plan: ShardingPlan
+    inner: optax.GradientTransformation
+    optimizer: ZeroOptimizer
+    shardings: TrainState
+    step_fn: Callable
+    dataset: Any
+
+    def init_state(self) -> TrainState:
+        return init_train_state(self.model.init, self.optimizer, self.shardings)
+
+    def device_batch(self, step: int) -> jax.Array:
+        """The global batch of `step`, split over the data-parallel domain."""
+        local = self.dataset.batch(step)
+        return jax.make_array_from_process_local_data(batch_sharding(self.mesh), local)
+
+
+def setup(cfg: Config, devices: list | None = None) -> Run:
+    """Resolves the mesh, shardings and jitted step for `cfg` (raises ConfigError on misfit)."""
+    mesh = make_mesh(cfg.mesh, devices)
+    dtype = jnp.dtype(cfg.precision.param_dtype.value)
+    model = GPTModel(cfg.model, param_dtype=dtype, seed=cfg.train.seed)
+    abstract = model.abstract_params()
+    plan = make_plan(mesh, cfg.zero.strategy, abstract, model.tp_specs(abstract))
+    inner = inner_optimizer(cfg)
+    optimizer = zero_optimizer(inner, plan, cfg.optimizer.clip_grad)
+    shardings = train_state_shardings(plan, state_shardings(inner, plan, abstract))
+    step_fn = build_train_step(
+        model.loss,
+        optimizer,
+        plan,
+        shardings,
+        microbatches=cfg.train.microbatches,
+        grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
+    )
+    return Run(cfg, mesh, model, plan, inner, optimizer, shardings, step_fn, make_dataset(cfg))
+
+
+def train(cfg: Config, out_dir: Path, progress: bool = True) -> dict:
+    """Trains `cfg.train.steps` steps; writes `out_dir/metrics.jsonl` and `summary.json`.
+
+    Returns the summary (see `report.summarize`).
+    """
+    from jzero.train import report  # local: report imports jax arrays lazily
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = setup(cfg)
+    state = run.init_state()
+    t0 = time.perf_counter()
+    step_fn = run.step_fn.lower(state, run.device_batch(0)).compile()  # compile outside the timings
+    compile_s = time.perf_counter() - t0
+    schedule = lr_schedule(cfg)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    metrics = []
+    bar = _progress(cfg.train.steps, progress)
+    with open(out_dir / "metrics.jsonl", "w") as f:
+        for step in range(cfg.train.steps):
+            batch = run.device_batch(step)
+            t = time.perf_counter()
+            state, m = step_fn(state, batch)
+            m = jax.device_get(m)
+            dt = time.perf_counter() - t
+            row = {
+                "step": step + 1,
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "lr": float(schedule(step)),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+            }
+            if not np.isfinite(row["loss"]):
+                raise FloatingPointError(f"loss is {row['loss']} at step {step + 1}")
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            metrics.append(row)
+            bar.update(1)
+            if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}")
+    bar.close()
+    summary = report.summarize(run, state, metrics, compile_s)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

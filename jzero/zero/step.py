@@ -1,0 +1,191 @@
+"""The train-step builder for the spec path: gradients, their reduction, the optimizer step.
+
+Each data-parallel rank computes the gradient of its own microbatch (a `vmap` over
+the DP domain with `spmd_axis_name`, so the stacked local grads `[n_dp, *shape]` are
+sharded one slice per rank and nothing is communicated). The reduction is then
+an explicit sum over that axis in `precision.grad_reduce_dtype`, whose output
+sharding is the strategy's grad sharding: XLA emits an all-reduce where grads are
+replicated and a reduce-scatter where they are sharded (on GPU; on CPU it emits
+all-reduce + dynamic-slice, FACTS 3).
+
+Accumulation over microbatches follows Megatron: DDP and ZeRO-1 accumulate the
+local grads and reduce once; ZeRO-2 reduces every microbatch into a sharded
+accumulator, so no rank ever holds a full reduced gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero.mesh import BATCH_AXES, axes_size
+from jzero.zero.optimizer import ZeroOptimizer, ZeroState
+from jzero.zero.strategies import ShardingPlan
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, local batch) -> mean loss
+
+
+class TrainState(NamedTuple):
+    """params: model copy, `plan.param_shardings()`; opt_state: `ZeroState`; step: scalar."""
+
+    params: PyTree
+    opt_state: ZeroState
+    step: jax.Array
+
+
+def _split_batch(batch: PyTree, n_dp: int, microbatches: int) -> PyTree:
+    """[B, ...] (B split over DP, rank-major) -> [microbatches, n_dp, B / (n_dp * microbatches), ...]."""
+
+    def split(x):
+        b = x.shape[0] // (n_dp * microbatches)
+        return jnp.swapaxes(x.reshape(n_dp, microbatches, b, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def reduced_grads(
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: PyTree,
+    plan: ShardingPlan,
+    microbatches: int,
+    reduce_dtype: jnp.dtype,
+) -> tuple[jax.Array, PyTree]:
+    """Mean loss and the data-parallel mean of the gradients, in `plan.grad_shardings()`.
+
+    Args:
+      batch: leaves `[B, ...]`, B split over the dense DP domain.
+    Returns:
+      (loss, grads): grads in `reduce_dtype`, sharded like `plan.grad_shardings()`.
+    """
+    mesh = plan.mesh
+    n_dp = axes_size(mesh, BATCH_AXES)
+    scale = 1.0 / (n_dp * microbatches)  # Megatron's gradient_scaling_factor, applied before the reduce
+    local_sh = plan.local_grad_shardings()
+    grad_sh = plan.grad_shardings()
+    mbs = _split_batch(batch, n_dp, microbatches)
+    mbs = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs
+    )
+
+    def local_grads(mb):
+        """[n_dp, ...] per-rank losses and grads of one microbatch, one slice per rank."""
+        loss, g = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=BATCH_AXES)(params, mb)
+        g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype), g)
+        return loss, jax.tree.map(jax.lax.with_sharding_constraint, g, local_sh)
+
+    def reduce(g):  # the DP collective: sum over ranks into the strategy's grad sharding
+        summed = jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=reduce_dtype), g)
+        return jax.tree.map(jax.lax.with_sharding_constraint, summed, grad_sh)
+
+    if microbatches == 1:
+        loss, g = local_grads(jax.tree.map(lambda x: x[0], mbs))
+        return jnp.mean(loss), reduce(g)
+
+    if plan.shards_grads:
+        # ZeRO-2: reduce-scatter each microbatch into the sharded accumulator.
+        def body(acc, mb):
+            loss, g = local_grads(mb)
+            return jax.tree.map(jnp.add, acc, reduce(g)), jnp.mean(loss)
+
+        acc0 = jax.tree.map(lambda t, s: _zeros(t.shape, reduce_dtype, s), plan.tensors, grad_sh)
+        acc, losses = jax.lax.scan(body, acc0, mbs)
+        return jnp.mean(losses), acc
+
+    # DDP / ZeRO-1: accumulate local grads, reduce once.
+    def body(acc, mb):
+        loss, g = local_grads(mb)
+        return jax.tree.map(jnp.add, acc, g), jnp.mean(loss)
+
+    acc0 = jax.tree.map(lambda t, s: _zeros((n_dp, *t.shape), reduce_dtype, s), plan.tensors, local_sh)
+    acc, losses = jax.lax.scan(body, acc0, mbs)
+    return jnp.mean(losses), reduce(acc)
+
+
+def _zeros(shape, dtype, sharding):
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+
+
+def build_train_step(
+    loss_fn: LossFn,
+    optimizer: ZeroOptimizer,
+    plan: ShardingPlan,
+    state_shardings: TrainState,
+    *,
+    microbatches: int = 1,
+    grad_reduce_dtype: jnp.dtype = jnp.float32,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """A jitted `step(state, batch) -> (state, metrics)` with pinned in/out shardings.
+
+    Args:
+      loss_fn: (params, batch) -> scalar mean loss over the batch; pure, model-agnostic.
+      optimizer: from `zero_optimizer`.
+      plan: the run's shardings.
+      state_shardings: a TrainState of NamedShardings (see `train_state_shardings`).
+      microbatches: gradient accumulation steps.
+      grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
+    Returns:
+      step; `batch` leaves are `[B, ...]` split over the dense DP domain; the state is
+      donated. metrics: {"loss", "grad_norm"} (the norm before clipping).
+    """
+
+    def step(state: TrainState, batch: PyTree):
+        loss, grads = reduced_grads(loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype)
+        params, opt_state, norm = optimizer.step(grads, state.opt_state, state.params)
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm}
+
+    replicated = NamedSharding(plan.mesh, P())
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_sharding(plan.mesh)),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Batch leaves `[B, ...]`: B split over the dense DP domain."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def train_state_shardings(plan: ShardingPlan, opt_shardings: ZeroState) -> TrainState:
+    return TrainState(plan.param_shardings(), opt_shardings, NamedSharding(plan.mesh, P()))
+
+
+def init_train_state(
+    init_params: Callable[[], PyTree], optimizer: ZeroOptimizer, state_shardings: TrainState
+) -> TrainState:
+    """Builds the state jitted straight into its shardings: nothing is materialised whole."""
+
+    def init():
+        params = init_params()
+        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    return jax.jit(init, out_shardings=state_shardings)()
+
+
+def build_grads(
+    loss_fn: LossFn,
+    plan: ShardingPlan,
+    *,
+    microbatches: int = 1,
+    grad_reduce_dtype: jnp.dtype = jnp.float32,
+) -> Callable[[PyTree, PyTree], PyTree]:
+    """A jitted `grads(params, batch)`: the reduced grads alone, in `plan.grad_shardings()`.
+
+    The step never keeps grads past the optimizer; this exposes them (same code as
+    the step) so their per-device size and sharding can be measured.
+    """
+
+    def grads(params, batch):
+        return reduced_grads(loss_fn, params, batch, plan, microbatches, grad_reduce_dtype)[1]
+
+    return jax.jit(
+        grads,
+        in_shardings=(plan.param_shardings(), batch_sharding(plan.mesh)),
+        out_shardings=plan.grad_shardings(),
+    )

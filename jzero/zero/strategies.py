@@ -1,0 +1,179 @@
+"""ZeRO stages as sharding specs: one `TensorPlan` per parameter, one `ShardingPlan` per run.
+
+Notation (scaling-book): `W[D, F_tp]` is a weight whose F dim is split over tp.
+Under ZeRO the fp32 copy becomes `W[D_dp, F_tp]`: one more dim split over the
+param's data-parallel domain (`dp_outer x dp x ep` for dense params,
+`dp_outer x dp` for expert params). Which arrays get that extra split is the
+strategy (Megatron's `data_parallel_sharding_strategy`):
+
+| strategy            | model params | reduced grads | fp32 main params + optimizer state |
+|---------------------|--------------|---------------|------------------------------------|
+| no_shard (DDP)      | W[D, F_tp]   | W[D, F_tp]    | W[D, F_tp]                         |
+| optim (ZeRO-1)      | W[D, F_tp]   | W[D, F_tp]    | W[D_dp, F_tp]                      |
+| optim_grads (ZeRO-2)| W[D, F_tp]   | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+
+Each tensor gets its largest dim that is free of tp and divisible by the DP size
+(else a tp-split dim divisible by tp x DP, split over both). A tensor with no such
+dim stays replicated; `ShardingPlan.replicated()` lists it so nothing is silently unsharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzero.config import ShardingStrategy
+from jzero.mesh import axes_size, dp_axes
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """How one parameter is laid out.
+
+    Attributes:
+      name: path like `blocks/0/mlp/fc1/kernel`.
+      shape, dtype: of the model param (global shape).
+      tp_spec: the model-parallel PartitionSpec (tp only), e.g. P(None, "tp").
+      dp_axes: the param's data-parallel domain.
+      shard_dim: the dim split over `dp_axes` in the ZeRO layout (jointly with tp if
+        tp already splits it), None if no dim fits.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tp_spec: P
+    dp_axes: tuple[str, ...]
+    shard_dim: int | None
+
+    @property
+    def zero_spec(self) -> P:
+        """`tp_spec` with `dp_axes` added on `shard_dim` (== tp_spec if replicated)."""
+        spec = list(self.tp_spec) + [None] * (len(self.shape) - len(self.tp_spec))
+        if self.shard_dim is not None:
+            tp = spec[self.shard_dim]
+            tp = () if tp is None else (tp,) if isinstance(tp, str) else tuple(tp)
+            spec[self.shard_dim] = (*tp, *self.dp_axes)
+        return P(*spec)
+
+    @property
+    def local_grad_spec(self) -> P:
+        """Spec of the stacked per-rank (unreduced) grads `[n_dp, *shape]`."""
+        return P(self.dp_axes, *self.tp_spec)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _tp_size(mesh: Mesh, entry) -> int:
+    return axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def choose_shard_dim(shape: tuple[int, ...], tp_spec: P, dp_size: int, mesh: Mesh) -> int | None:
+    """The dim to split over the DP domain, or None if none fits.
+
+    The largest dim free of tp and divisible by `dp_size`; failing that, the largest
+    tp-split dim divisible by tp_size * dp_size (then split over tp and DP jointly).
+    """
+    if dp_size == 1:
+        return None
+    spec = list(tp_spec) + [None] * (len(shape) - len(tp_spec))
+    free = [i for i, n in enumerate(shape) if spec[i] is None and n % dp_size == 0]
+    if free:
+        return max(free, key=lambda i: (shape[i], -i))
+    joint = [i for i, n in enumerate(shape) if spec[i] is not None and n % (_tp_size(mesh, spec[i]) * dp_size) == 0]
+    return max(joint, key=lambda i: (shape[i], -i)) if joint else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """The shardings of every array of a ZeRO run, resolved once.
+
+    Attributes:
+      mesh: the (dp_outer, dp, ep, tp) mesh.
+      strategy: the ZeRO stage.
+      tensors: a pytree with the params' structure whose leaves are `TensorPlan`s.
+    """
+
+    mesh: Mesh
+    strategy: ShardingStrategy
+    tensors: PyTree
+
+    def _tree(self, spec_of: Callable[[TensorPlan], P]) -> PyTree:
+        return jax.tree.map(lambda t: NamedSharding(self.mesh, spec_of(t)), self.tensors)
+
+    @property
+    def shards_state(self) -> bool:
+        return self.strategy != ShardingStrategy.NO_SHARD
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+
+    def param_shardings(self) -> PyTree:
+        """Model params: tp-sharded, replicated over the DP domain."""
+        return self._tree(lambda t: t.tp_spec)
+
+    def state_shardings(self) -> PyTree:
+        """fp32 main params and per-param optimizer state (moments)."""
+        return self._tree(lambda t: t.zero_spec if self.shards_state else t.tp_spec)
+
+    def grad_shardings(self) -> PyTree:
+        """Reduced gradients (and, under optim_grads, the accumulator)."""
+        return self._tree(lambda t: t.zero_spec if self.shards_grads else t.tp_spec)
+
+    def local_grad_shardings(self) -> PyTree:
+        """Per-rank unreduced grads stacked on a leading DP axis."""
+        return self._tree(lambda t: t.local_grad_spec)
+
+    def replicated(self) -> list[tuple[str, int]]:
+        """(name, fp32 bytes) of every tensor ZeRO leaves replicated over its DP domain."""
+        if not self.shards_state:
+            return []
+        return [
+            (t.name, 4 * t.numel)
+            for t in jax.tree.leaves(self.tensors)
+            if t.shard_dim is None and axes_size(self.mesh, t.dp_axes) > 1
+        ]
+
+
+def path_name(path: tuple) -> str:
+    """`blocks/0/mlp/fc1/kernel` from a jax key path."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def make_plan(
+    mesh: Mesh,
+    strategy: ShardingStrategy,
+    abstract_params: PyTree,
+    tp_specs: PyTree,
+    is_expert: PyTree | None = None,
+) -> ShardingPlan:
+    """Resolves the sharding of every param once.
+
+    Args:
+      mesh: the device mesh.
+      strategy: the ZeRO stage.
+      abstract_params: params or ShapeDtypeStructs (global shapes).
+      tp_specs: same structure, the tensor-parallel PartitionSpec of each param.
+      is_expert: same structure, True for expert params (default: all dense).
+    """
+    if is_expert is None:
+        is_expert = jax.tree.map(lambda _: False, abstract_params)
+
+    def plan_one(path, x, spec, expert):
+        axes = dp_axes(expert)
+        shard_dim = choose_shard_dim(tuple(x.shape), spec, axes_size(mesh, axes), mesh)
+        return TensorPlan(path_name(path), tuple(x.shape), np.dtype(x.dtype), spec, axes, shard_dim)
+
+    tensors = jax.tree_util.tree_map_with_path(
+        plan_one, abstract_params, tp_specs, is_expert, is_leaf=lambda s: isinstance(s, P)
+    )
+    return ShardingPlan(mesh, strategy, tensors)

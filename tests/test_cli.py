@@ -1,0 +1,81 @@
+"""Config loading, one-line config errors, and `jzero train` end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jzero.cli import main
+from jzero.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64"]
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert load_config(ROOT / "configs" / "default.yaml") == Config() == load_config()
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["zero.strategy=optim", "optimizer.lr=1e-3", "optimizer.clip_grad=null", "mesh.dp=4", "mesh.tp=2"])
+    assert cfg.zero.strategy.value == "optim" and cfg.optimizer.lr == 1e-3 and cfg.optimizer.clip_grad is None
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.foo=1"], "unknown config key model.foo"),
+        (["modle.d_model=1"], "unknown config key modle"),
+        (["train.steps=abc"], "train.steps='abc' must be of type int"),
+        (["zero.strategy=zero9"], "zero.strategy='zero9' is not one of"),
+        (["mesh.dp=2", "mesh.tp=4", "model.n_heads=2"], "model.n_heads=2 must be divisible by mesh.tp=4"),
+        (["mesh.dp=2", "mesh.tp=4", "model.d_ff=510"], "model.d_ff=510 must be divisible by mesh.tp=4"),
+        (["train.global_batch=12"], "train.global_batch=12 must be divisible by the data-parallel size"),
+        (["train.microbatches=3"], "train.microbatches=3"),
+        (["model.d_model=100", "model.n_heads=3"], "model.d_model=100 must be divisible by model.n_heads=3"),
+        (["mesh.dp=4"], "does not match the 8 available devices"),
+        (["zero.strategy=optim_grads_params"], "not yet supported"),
+        (["data.kind=text", "model.vocab_size=100"], "model.vocab_size=100 must be >= 256"),
+        (["data.path=/nonexistent/dir"], "data.path='/nonexistent/dir' is not a directory"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+    ],
+)
+def test_bad_input_is_one_clear_line(overrides, needle, capsys, tmp_path):
+    argv = ["train", "--out", str(tmp_path), "--quiet"]
+    for o in overrides:
+        argv += ["--set", o]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["train", "/no/such.yaml"]) == 2
+    assert "config file /no/such.yaml does not exist" in capsys.readouterr().err
+
+
+def test_cli_process_exit_code_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jzero.cli", "train", "--set", "model.n_heads=3"],
+        capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "model.d_model=128 must be divisible by model.n_heads=3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_train_writes_metrics_and_summary(tmp_path, capsys):
+    argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=4", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
+    assert main(argv + TINY) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"} <= set(r)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    b = summary["bytes_per_device"]
+    assert b["measured"]["optimizer_state"] < b["ddp"]["optimizer_state"]
+    out = capsys.readouterr().out
+    assert "per-device memory" in out and "Megatron formula" in out
