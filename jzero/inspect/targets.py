@@ -1,0 +1,141 @@
+"""GPU targets, for compiling a GPU pod's program on a machine with no GPU (FACTS.md section 4).
+
+XLA's CUDA compiler needs only a description of the card (a `GpuTargetConfigProto`:
+SM count, compute capability, memory size, ...), not the card. With the CUDA PJRT
+plugin installed (`pip install -e .[gpu-aot]`), `gpu_mesh("h100", "4 x 1 x 8", ...)`
+returns a mesh of compile-only devices; `jax.jit(f).lower(*ShapeDtypeStructs).compile()`
+on it gives the real GPU program (`as_text()`, `memory_analysis()`), never runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+_TARGET_DIR = Path(__file__).parent / "gpu_targets"
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """One GPU model.
+
+    Attributes:
+      name: short key in `TARGETS` ("h100").
+      config_file: the `GpuTargetConfigProto` text file under `gpu_targets/`.
+      device_kind: the card's name as XLA reports it.
+      memory_bytes: HBM per device (the file's `device_memory_size`).
+    """
+
+    name: str
+    config_file: str
+    device_kind: str
+    memory_bytes: int
+
+    def config_text(self) -> str:
+        """The target description, as `get_topology_desc(target_config=...)` takes it."""
+        return (_TARGET_DIR / self.config_file).read_text()
+
+
+def _load(name: str, config_file: str, public_memory_gb: int) -> GpuTarget:
+    text = (_TARGET_DIR / config_file).read_text()
+    memory = re.search(r"device_memory_size:\s*(\d+)", text)
+    kind = re.search(r'device_description_str:\s*"([^"]*)"', text)
+    return GpuTarget(
+        name=name,
+        config_file=config_file,
+        device_kind=kind.group(1) if kind else name.upper(),
+        memory_bytes=int(memory.group(1)) if memory else public_memory_gb * 10**9,
+    )
+
+
+TARGETS: dict[str, GpuTarget] = {
+    "h100": _load("h100", "h100_sxm.txtpb", 80),  # H100 SXM 80GB HBM3
+    "a100": _load("a100", "a100_sxm_80.txtpb", 80),  # A100 SXM4 80GB
+    "h200": _load("h200", "h200.txtpb", 141),  # H200 141GB HBM3e
+}
+
+
+def parse_topology(text: str) -> tuple[int, int, int]:
+    """`"4 x 1 x 8"` -> (4, 1, 8): slices x hosts per slice x GPUs per host."""
+    parts = [p.strip() for p in text.lower().split("x")]
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(
+            f"GPU topology {text!r} must be 'slices x hosts_per_slice x gpus_per_host' "
+            f"with three positive integers, e.g. '4 x 1 x 8'"
+        )
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def _install_hint() -> str:
+    v = importlib.metadata.version("jaxlib")
+    return (
+        "Deviceless GPU compilation needs the CUDA PJRT plugin: pip install -e .[gpu-aot] "
+        f"(or: pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v})"
+    )
+
+
+def cuda_plugin_available() -> bool:
+    """Whether the CUDA PJRT plugin (jax-cuda12-plugin + jax-cuda12-pjrt) is importable."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_topology(target: str, topology: str):
+    """Compile-only devices for a pod of `target` GPUs laid out as `topology`.
+
+    Raises:
+      ValueError: unknown target or malformed topology.
+      RuntimeError: the CUDA plugin is not installed (the message says what to install).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown GPU target {target!r}; known: {sorted(TARGETS)}")
+    shape = parse_topology(topology)
+    try:
+        import jax_plugins.xla_cuda12 as cuda_plugin
+    except ImportError as e:
+        raise RuntimeError(_install_hint()) from e
+    from jax.experimental import topologies
+
+    # No CUDA runtime here, so the plugin's version check would fail and JAX would drop
+    # the plugin; the check only matters for running, not for compiling.
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    kwargs = dict(topology=" x ".join(map(str, shape)), target_config=TARGETS[target].config_text())
+    try:
+        return topologies.get_topology_desc("pod", "cuda", **kwargs)
+    except NotImplementedError:
+        # JAX discovered its plugins before the variable was set, and the plugin failed
+        # its check then: register it again now that the check is skipped.
+        cuda_plugin.initialize()
+        return topologies.get_topology_desc("pod", "cuda", **kwargs)
+
+
+def gpu_mesh(target: str, topology: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Mesh:
+    """A mesh of compile-only `target` GPUs, e.g. `gpu_mesh("h100", "2 x 2 x 8", (4, 8), ("dp", "tp"))`.
+
+    Arguments:
+      target: a key of `TARGETS`.
+      topology: "slices x hosts_per_slice x gpus_per_host"; its product is the device count.
+      mesh_shape: the mesh's shape; its product must equal the device count.
+      axis_names: one name per mesh dimension.
+
+    Returns:
+      A `Mesh` (Auto axes) to build `NamedSharding`s for lowering; nothing can run on it.
+    """
+    n = math.prod(parse_topology(topology))
+    if math.prod(mesh_shape) != n or len(mesh_shape) != len(axis_names):
+        raise ValueError(
+            f"mesh shape {tuple(mesh_shape)} with axes {tuple(axis_names)} does not fit "
+            f"topology {topology!r} of {n} devices"
+        )
+    from jax.experimental import topologies
+
+    return topologies.make_mesh(gpu_topology(target, topology), tuple(mesh_shape), tuple(axis_names))
