@@ -38,6 +38,30 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_layout(args) -> int:
+    cfg = load_config(args.config, args.set)
+    _start_jax(cfg)
+    import json
+
+    import jax
+
+    from jzero.inspect.layout import describe, format_layout
+    from jzero.mesh import make_mesh
+    from jzero.train.model import GPTModel
+    from jzero.zero.flat import make_flat_plan
+    from jzero.zero.strategies import make_plan
+
+    mesh = make_mesh(cfg.mesh)
+    model = GPTModel(cfg.model, param_dtype=jax.numpy.dtype(cfg.precision.param_dtype.value))
+    abstract = model.abstract_params()
+    plan = make_plan(mesh, cfg.zero.strategy, abstract, model.tp_specs(abstract))
+    d = describe(make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw))
+    if not 0 <= args.rank < d["buffer"]["dp_size"]:
+        raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
+    print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jzero", description="ZeRO-1/2/3 for JAX, Megatron-exact.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=_cmd_train)
+
+    lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
+    with_config(lay)
+    lay.add_argument("--rank", type=int, default=0, help="data-parallel rank to show (default 0)")
+    lay.add_argument("--json", action="store_true", help="the whole layout, every rank, as JSON")
+    lay.set_defaults(fn=_cmd_layout)
     return p
 
 

@@ -67,9 +67,9 @@ def setup_free_dataset(cfg: Config):
     return make_dataset(cfg)
 
 
-def run_steps(cfg: Config, steps: int = STEPS):
+def run_steps(cfg: Config, steps: int = STEPS, devices=None):
     """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state)."""
-    run = setup(cfg)
+    run = setup(cfg, devices)
     state = run.init_state()
     init = jax.device_get(state.params)
     losses, norms = [], []

@@ -14,12 +14,20 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jzero.config import Config, OptimizerName
+from jzero.config import Config, OptimizerName, ZeroPath
 from jzero.mesh import make_mesh
 from jzero.train.data import make_dataset
 from jzero.train.model import GPTModel
-from jzero.zero.optimizer import state_shardings, zero_optimizer, ZeroOptimizer
-from jzero.zero.step import TrainState, batch_sharding, build_train_step, init_train_state, train_state_shardings
+from jzero.zero.flat import build_flat_train_step, check_elementwise, flat_state_shardings, make_flat_plan
+from jzero.zero.optimizer import state_shardings, zero_optimizer
+from jzero.zero.step import (
+    TrainState,
+    batch_sharding,
+    build_grads,
+    build_train_step,
+    init_train_state,
+    train_state_shardings,
+)
 from jzero.zero.strategies import ShardingPlan, make_plan
 
 
@@ -42,9 +50,9 @@ def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
         return optax.sgd(lr, momentum=o.b1 or None)
     if o.name == OptimizerName.ADAM:
         return optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps)
-    # Megatron applies weight decay to matrices only, not to biases and norm scales.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    # Weight decay on every param (optax's default): a per-tensor mask (Megatron skips biases
+    # and norms) is not element-wise, so it could not run on the flat path's buffers.
+    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
 
 
 @dataclasses.dataclass
@@ -56,13 +64,14 @@ class Run:
     model: GPTModel
     plan: ShardingPlan
     inner: optax.GradientTransformation
-    optimizer: ZeroOptimizer
+    init_opt: Callable  # params -> optimizer state (under jit)
     shardings: TrainState
-    step_fn: Callable
+    step_fn: Callable  # jitted (state, batch) -> (state, metrics)
+    grads_fn: Callable  # (params, batch) -> reduced grads, as the step holds them
     dataset: Any
 
     def init_state(self) -> TrainState:
-        return init_train_state(self.model.init, self.optimizer, self.shardings)
+        return init_train_state(self.model.init, self.init_opt, self.shardings)
 
     def device_batch(self, step: int) -> jax.Array:
         """The global batch of `step`, split over the data-parallel domain."""
@@ -78,17 +87,25 @@ def setup(cfg: Config, devices: list | None = None) -> Run:
     abstract = model.abstract_params()
     plan = make_plan(mesh, cfg.zero.strategy, abstract, model.tp_specs(abstract))
     inner = inner_optimizer(cfg)
-    optimizer = zero_optimizer(inner, plan, cfg.optimizer.clip_grad)
-    shardings = train_state_shardings(plan, state_shardings(inner, plan, abstract))
-    step_fn = build_train_step(
-        model.loss,
-        optimizer,
-        plan,
-        shardings,
-        microbatches=cfg.train.microbatches,
-        grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
-    )
-    return Run(cfg, mesh, model, plan, inner, optimizer, shardings, step_fn, make_dataset(cfg))
+    reduce_dtype = jnp.dtype(cfg.precision.grad_reduce_dtype.value)
+    micro, clip = cfg.train.microbatches, cfg.optimizer.clip_grad
+    if cfg.zero.path == ZeroPath.FLAT:
+        fp = make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
+        check_elementwise(inner, abstract)
+        shardings = train_state_shardings(plan, flat_state_shardings(inner, fp, keep_main=dtype != jnp.float32))
+        flat = build_flat_train_step(
+            model.loss, inner, fp, shardings, microbatches=micro, grad_reduce_dtype=reduce_dtype, clip_grad=clip
+        )
+        init_opt, step_fn, grads_fn = flat
+    else:
+        optimizer = zero_optimizer(inner, plan, clip)
+        shardings = train_state_shardings(plan, state_shardings(inner, plan, abstract))
+        step_fn = build_train_step(
+            model.loss, optimizer, plan, shardings, microbatches=micro, grad_reduce_dtype=reduce_dtype
+        )
+        init_opt = optimizer.init
+        grads_fn = build_grads(model.loss, plan, microbatches=micro, grad_reduce_dtype=reduce_dtype)
+    return Run(cfg, mesh, model, plan, inner, init_opt, shardings, step_fn, grads_fn, make_dataset(cfg))
 
 
 def train(cfg: Config, out_dir: Path, progress: bool = True) -> dict:

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jzero.mesh import axes_size
-from jzero.zero.step import build_grads
 
 
 def per_device_bytes(tree) -> int:
@@ -59,12 +58,7 @@ def formula_bytes(run, d: int | None = None) -> dict:
 
 
 def measured_bytes(run, state) -> dict:
-    grads = build_grads(
-        run.model.loss,
-        run.plan,
-        microbatches=run.cfg.train.microbatches,
-        grad_reduce_dtype=jnp.dtype(run.cfg.precision.grad_reduce_dtype.value),
-    )(state.params, run.device_batch(0))
+    grads = run.grads_fn(state.params, run.device_batch(0))
     return {
         "params": per_device_bytes(state.params),
         "grads": per_device_bytes(grads),

@@ -157,13 +157,16 @@ def train_state_shardings(plan: ShardingPlan, opt_shardings: ZeroState) -> Train
 
 
 def init_train_state(
-    init_params: Callable[[], PyTree], optimizer: ZeroOptimizer, state_shardings: TrainState
+    init_params: Callable[[], PyTree], init_opt: Callable[[PyTree], PyTree], state_shardings: TrainState
 ) -> TrainState:
-    """Builds the state jitted straight into its shardings: nothing is materialised whole."""
+    """Builds the state jitted straight into its shardings: nothing is materialised whole.
+
+    init_opt: params -> optimizer state, e.g. `ZeroOptimizer.init`.
+    """
 
     def init():
         params = init_params()
-        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+        return TrainState(params, init_opt(params), jnp.zeros((), jnp.int32))
 
     return jax.jit(init, out_shardings=state_shardings)()
 
