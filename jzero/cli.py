@@ -7,6 +7,7 @@ number of simulated CPU devices before the backend starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,14 @@ from jzero.config import Config, ConfigError, load_config
 
 
 def _start_jax(cfg: Config) -> None:
-    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises."""
+    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises.
+
+    On a machine with no NVIDIA device, JAX_PLATFORMS defaults to cpu, so an installed
+    CUDA plugin (the gpu-aot extra, for deviceless compilation) does not fail loudly
+    trying to start a GPU backend.
+    """
+    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
+        os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
     try:

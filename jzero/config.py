@@ -121,6 +121,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """orbax checkpoints in model space (per parameter), restorable onto any mesh/strategy/path."""
+
+    dir: str | None = None  # None = no checkpoints
+    every: int = 50  # save every N steps (and at the last step)
+    keep: int = 3  # keep the newest N checkpoints
+    async_: bool = dataclasses.field(default=True, metadata={"key": "async"})  # save in the background
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -129,6 +139,7 @@ class Config:
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def dp_domain_size(self) -> int:
@@ -182,19 +193,24 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - fields)
+    fields = {_yaml_key(f): f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
     kwargs = {}
-    for name, value in raw.items():
-        key = f"{prefix}{name}"
+    for key_name, value in raw.items():
+        name, key = fields[key_name], f"{prefix}{key_name}"
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{key}.")
         else:
             kwargs[name] = _coerce(key, tp, value)
     return cls(**kwargs)
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    """The YAML spelling of a field (`async` is a Python keyword, so its field is `async_`)."""
+    return f.metadata.get("key", f.name)
 
 
 def _apply_override(raw: dict, assignment: str) -> None:
@@ -247,7 +263,7 @@ def to_dict(cfg: Config) -> dict:
         return v.value if isinstance(v, enum.Enum) else v
 
     return {
-        f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+        f.name: {_yaml_key(g): plain(getattr(getattr(cfg, f.name), g.name)) for g in dataclasses.fields(getattr(cfg, f.name))}
         for f in dataclasses.fields(cfg)
     }
 
@@ -275,6 +291,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     if o.clip_grad is not None:
         _positive("optimizer.clip_grad", o.clip_grad)
+    _positive("checkpoint.every", cfg.checkpoint.every)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
     if cfg.zero.bucket_size is not None:
         _positive("zero.bucket_size", cfg.zero.bucket_size)
     if m.d_model % m.n_heads:
