@@ -40,9 +40,19 @@ def _cmd_train(args) -> int:
     from jzero.train.loop import train
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    summary = train(cfg, out, progress=not args.quiet)
+    summary = train(cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback)
+    if summary is None:
+        return 0
     print(report.format_summary(summary))
     print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
+    return 0
+
+
+def _cmd_ckpt_info(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jzero.train.checkpoint import describe
+
+    print(describe(args.dir))
     return 0
 
 
@@ -82,7 +92,18 @@ def _parser() -> argparse.ArgumentParser:
     with_config(t)
     t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--resume", nargs="?", const="", metavar="DIR",
+        help="continue from the newest complete checkpoint in DIR (default: checkpoint.dir), on this config's mesh",
+    )
+    t.add_argument("--resume-fallback", action="store_true", help="if the newest checkpoint is unreadable, use the previous one")
     t.set_defaults(fn=_cmd_train)
+
+    ck = sub.add_parser("ckpt", help="inspect checkpoints")
+    ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
+    info = ck_sub.add_parser("info", help="steps, the writer's strategy/mesh/dtypes, per-array shapes")
+    info.add_argument("dir")
+    info.set_defaults(fn=_cmd_ckpt_info)
 
     lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
     with_config(lay)
@@ -96,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except Exception as e:
+        from jzero.train.checkpoint import CheckpointError  # imports orbax: only on the error path
+
+        if not isinstance(e, (ConfigError, CheckpointError)):
+            raise
         print(f"jzero: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -108,25 +108,59 @@ def setup(cfg: Config, devices: list | None = None) -> Run:
     return Run(cfg, mesh, model, plan, inner, init_opt, shardings, step_fn, grads_fn, make_dataset(cfg))
 
 
-def train(cfg: Config, out_dir: Path, progress: bool = True) -> dict:
-    """Trains `cfg.train.steps` steps; writes `out_dir/metrics.jsonl` and `summary.json`.
+def train(
+    cfg: Config, out_dir: Path, progress: bool = True, resume: str | None = None, resume_fallback: bool = False
+) -> dict | None:
+    """Trains up to `cfg.train.steps`; writes `out_dir/metrics.jsonl` and `summary.json`.
 
-    Returns the summary (see `report.summarize`).
+    Args:
+      resume: None = start fresh; "" = resume from `checkpoint.dir`; else a checkpoint
+        directory. Continues from its newest complete step (onto this config's mesh,
+        strategy and path); checkpoints keep going to `checkpoint.dir` (default: there).
+      resume_fallback: if the newest checkpoint is unreadable, use the one before it.
+    Returns:
+      the summary (see `report.summarize`), None if the checkpoint already reached the end.
     """
-    from jzero.train import report  # local: report imports jax arrays lazily
+    from jzero.train import report
+    from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     run = setup(cfg)
-    state = run.init_state()
+    ck = cfg.checkpoint
+    resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
+    save_dir = ck.dir or resume_dir
+    ckpt = Checkpointer(save_dir, run, ck.keep, ck.async_) if save_dir is not None else None
+    try:
+        if resume_dir is None:
+            state, start = run.init_state(), 0
+        else:
+            reader = ckpt if Path(resume_dir).resolve() == ckpt.directory else Checkpointer(resume_dir, run, ck.keep)
+            state, start = reader.restore_latest(resume_fallback)
+        if start >= cfg.train.steps:
+            print(f"checkpoint step {start} already reached train.steps={cfg.train.steps}: nothing to do")
+            return None
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (metrics, state), compile_s = _loop(run, state, start, out_dir, ckpt, progress)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for an in-flight async save
+    summary = report.summarize(run, state, metrics, compile_s)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _loop(run: Run, state: TrainState, start: int, out_dir: Path, ckpt, progress: bool):
+    """Steps `start` .. `train.steps`; returns ((metrics, final state), compile seconds)."""
+    cfg = run.cfg
     t0 = time.perf_counter()
-    step_fn = run.step_fn.lower(state, run.device_batch(0)).compile()  # compile outside the timings
+    step_fn = run.step_fn.lower(state, run.device_batch(start)).compile()  # compile outside the timings
     compile_s = time.perf_counter() - t0
     schedule = lr_schedule(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     metrics = []
     bar = _progress(cfg.train.steps, progress)
+    bar.update(start)
     with open(out_dir / "metrics.jsonl", "w") as f:
-        for step in range(cfg.train.steps):
+        for step in range(start, cfg.train.steps):
             batch = run.device_batch(step)
             t = time.perf_counter()
             state, m = step_fn(state, batch)
@@ -148,10 +182,10 @@ def train(cfg: Config, out_dir: Path, progress: bool = True) -> dict:
             bar.update(1)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}")
+            if ckpt is not None and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps):
+                ckpt.save(state, cfg)
     bar.close()
-    summary = report.summarize(run, state, metrics, compile_s)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return (metrics, state), compile_s
 
 
 def _progress(total: int, enabled: bool):

@@ -67,6 +67,7 @@ def measured_bytes(run, state) -> dict:
 
 
 def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
+    """The run summary (JSON-able): losses, timings, per-device bytes, replicated tensors."""
     cfg = run.cfg
     measured = measured_bytes(run, state)
     times = [m["step_time_s"] for m in metrics[1:]] or [metrics[0]["step_time_s"]]

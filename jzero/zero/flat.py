@@ -340,3 +340,108 @@ class FlatStep(NamedTuple):
     init_opt: Any
     step: Any
     grads: Any
+
+
+# ---------------------------------------------------------------- model space (checkpoints)
+# Global-view conversions between the flat buckets [tp, S_b] and per-param arrays in
+# their global shapes; jit them with the target shardings and XLA moves only shards.
+
+
+def _tp_dim(spec: P) -> int | None:
+    dims = [i for i, e in enumerate(spec) if e is not None]
+    return dims[0] if dims else None
+
+
+def buckets_to_params(fp: FlatPlan, buckets: list[jax.Array]) -> list[jax.Array]:
+    """[tp, S_b] buckets -> global per-param arrays (leaves order)."""
+    n_tp = fp.plan.mesh.shape[TP_AXIS]
+    out = [None] * len(fp.local_shapes)
+    for b, (start, _) in enumerate(fp.layout.bucket_indices):
+        for i in fp.layout.bucket_params[b]:
+            ps, pe, _ = fp.layout.param_index_map[i]
+            t = jax.tree.leaves(fp.plan.tensors)[i]
+            piece = buckets[b][:, ps - start : pe - start].reshape(n_tp, *fp.local_shapes[i])
+            k = _tp_dim(t.tp_spec) if fp.tp_sharded[i] else None
+            out[i] = piece[0] if k is None else jnp.moveaxis(piece, 0, k).reshape(t.shape)
+    return out
+
+
+def params_to_buckets(fp: FlatPlan, leaves: list[jax.Array]) -> list[jax.Array]:
+    """Global per-param arrays (leaves order) -> [tp, S_b] buckets, zero in the gaps."""
+    n_tp = fp.plan.mesh.shape[TP_AXIS]
+    tensors = jax.tree.leaves(fp.plan.tensors)
+    rows = []
+    for i, (x, t) in enumerate(zip(leaves, tensors)):
+        k = _tp_dim(t.tp_spec) if fp.tp_sharded[i] else None
+        if k is None:
+            piece = jnp.broadcast_to(x, (n_tp, *x.shape))
+        else:
+            piece = jnp.moveaxis(x.reshape(*x.shape[:k], n_tp, x.shape[k] // n_tp, *x.shape[k + 1 :]), k, 0)
+        rows.append(piece.reshape(n_tp, -1))
+    buckets = []
+    for b, (start, end) in enumerate(fp.layout.bucket_indices):
+        pieces, cursor = [], start
+        for i in fp.layout.bucket_params[b]:
+            ps, pe, _ = fp.layout.param_index_map[i]
+            if ps > cursor:
+                pieces.append(jnp.zeros((n_tp, ps - cursor), rows[i].dtype))
+            pieces.append(rows[i])
+            cursor = pe
+        if end > cursor:
+            pieces.append(jnp.zeros((n_tp, end - cursor), rows[i].dtype))
+        buckets.append(jnp.concatenate(pieces, axis=1))
+    return buckets
+
+
+def _convert_state(inner, state, src_abstract, dst_abstract, n_src: int, convert) -> PyTree:
+    """Maps every per-param group of `state` (n_src leaves) through `convert` into dst's structure."""
+
+    def marks(abstract):
+        return jax.tree.leaves(optax.tree_map_params(inner, lambda _: True, abstract, transform_non_params=lambda _: False))
+
+    src_marks, dst_marks = marks(src_abstract), marks(dst_abstract)
+    src = jax.tree.leaves(state)
+    groups, others, j = [], [], 0
+    while j < len(src):  # each per-param tree (mu, nu, ...) is a contiguous run of leaves
+        if src_marks[j]:
+            if not all(src_marks[j : j + n_src]):
+                raise ValueError("optimizer state does not map onto the flat buffers one tree per moment")
+            groups.append(src[j : j + n_src])
+            j += n_src
+        else:
+            others.append(src[j])
+            j += 1
+    converted = [y for g in groups for y in convert(g)]
+    if len(converted) != sum(dst_marks) or len(others) != len(dst_marks) - sum(dst_marks):
+        raise ValueError("optimizer state does not map onto the flat buffers one tree per moment")
+    it_param, it_other = iter(converted), iter(others)
+    leaves = [next(it_param) if m else next(it_other) for m in dst_marks]
+    return jax.tree.unflatten(jax.tree.structure(dst_abstract), leaves)
+
+
+def flat_to_model_space(fp: FlatPlan, inner: optax.GradientTransformation, opt_state: ZeroState) -> ZeroState:
+    """Flat-path optimizer state -> the spec path's per-param ZeroState (same values)."""
+    treedef = jax.tree.structure(fp.plan.tensors)
+    abstract_params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), fp.plan.tensors)
+    n_buckets = len(fp.layout.bucket_indices)
+    src_abstract = jax.eval_shape(inner.init, [jax.ShapeDtypeStruct(s, jnp.float32) for s in fp.bucket_shapes()])
+    dst_abstract = jax.eval_shape(inner.init, abstract_params)
+    inner_state = _convert_state(
+        inner, opt_state.inner_state, src_abstract, dst_abstract, n_buckets, lambda g: buckets_to_params(fp, g)
+    )
+    main = opt_state.main_params
+    main = None if main is None else jax.tree.unflatten(treedef, buckets_to_params(fp, main))
+    return ZeroState(main, inner_state)
+
+
+def model_space_to_flat(fp: FlatPlan, inner: optax.GradientTransformation, state: ZeroState) -> ZeroState:
+    """The spec path's per-param ZeroState -> flat-path buckets (inverse of flat_to_model_space)."""
+    abstract_params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), fp.plan.tensors)
+    n_params = len(jax.tree.leaves(fp.plan.tensors))
+    src_abstract = jax.eval_shape(inner.init, abstract_params)
+    dst_abstract = jax.eval_shape(inner.init, [jax.ShapeDtypeStruct(s, jnp.float32) for s in fp.bucket_shapes()])
+    inner_state = _convert_state(
+        inner, state.inner_state, src_abstract, dst_abstract, n_params, lambda g: params_to_buckets(fp, g)
+    )
+    main = None if state.main_params is None else params_to_buckets(fp, jax.tree.leaves(state.main_params))
+    return ZeroState(main, inner_state)
