@@ -45,20 +45,27 @@ class SyntheticData:
 
 
 class TextData:
-    """Byte-level tokens from every `*.py` / `*.txt` / `*.md` file under a directory.
+    """Byte-level tokens from every `*.py` / `*.txt` / `*.md` file under a directory
+    (installed packages excluded, so the default stdlib text is the same on every machine).
 
     Files are read in sorted path order into one byte stream; each sequence starts
     at an offset drawn from (seed, step).
     """
 
     SUFFIXES = (".py", ".txt", ".md")
+    SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages vary by machine
 
     def __init__(self, path: str | None, seq_len: int, global_batch: int, seed: int):
         root = Path(path) if path is not None else Path(sysconfig.get_paths()["stdlib"])
         if not root.is_dir():
             raise ConfigError(f"data.path={str(root)!r} is not a directory")
         chunks, total = [], 0
-        for f in sorted(p for p in root.rglob("*") if p.suffix in self.SUFFIXES and p.is_file()):
+        files = sorted(
+            p
+            for p in root.rglob("*")
+            if p.suffix in self.SUFFIXES and p.is_file() and not self.SKIP_DIRS & set(p.relative_to(root).parts)
+        )
+        for f in files:
             data = f.read_bytes()
             chunks.append(data)
             total += len(data)
