@@ -14,7 +14,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.inspect.hlo import (
-    Collective,
     axes_of_groups,
     format_table,
     parse_collectives,

@@ -74,9 +74,13 @@ class Run:
         return init_train_state(self.model.init, self.init_opt, self.shardings)
 
     def device_batch(self, step: int) -> jax.Array:
-        """The global batch of `step`, split over the data-parallel domain."""
-        local = self.dataset.batch(step)
-        return jax.make_array_from_process_local_data(batch_sharding(self.mesh), local)
+        """The global batch of `step`, split over the data-parallel domain.
+
+        Every process computes the same global batch (it is a pure function of the step)
+        and places only the rows of its own devices, so this also holds on many hosts.
+        """
+        batch = self.dataset.batch(step)
+        return jax.make_array_from_callback(batch.shape, batch_sharding(self.mesh), lambda index: batch[index])
 
 
 def setup(cfg: Config, devices: list | None = None) -> Run:
