@@ -15,14 +15,16 @@ from pathlib import Path
 from jzero.config import Config, ConfigError, load_config
 
 
-def _start_jax(cfg: Config) -> None:
-    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises.
+def _start_jax(cfg: Config, args: argparse.Namespace | None = None) -> None:
+    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises,
+    and joins a multi-process run if asked (`--distributed` or `--coordinator`).
 
     On a machine with no NVIDIA device, JAX_PLATFORMS defaults to cpu, so an installed
     CUDA plugin (the gpu-aot extra, for deviceless compilation) does not fail loudly
     trying to start a GPU backend.
     """
-    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
+    cpu = "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists()
+    if cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
@@ -30,18 +32,26 @@ def _start_jax(cfg: Config) -> None:
         jax.config.update("jax_num_cpu_devices", cfg.train.host_devices)
     except RuntimeError:
         pass  # JAX already started in this process; make_mesh reports a device-count mismatch
+    if args is not None and getattr(args, "coordinator", None):
+        if os.environ.get("JAX_PLATFORMS") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    elif args is not None and getattr(args, "distributed", False):
+        jax.distributed.initialize()  # SLURM, Open MPI, Kubernetes... detected by JAX
 
 
 
 def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
-    _start_jax(cfg)
+    if args.coordinator and (args.num_processes is None or args.process_id is None):
+        raise ConfigError("--coordinator needs --num-processes and --process-id")
+    _start_jax(cfg, args)
     from jzero.train import report
     from jzero.train.loop import train
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     summary = train(cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback)
-    if summary is None:
+    if summary is None or not summary:  # nothing left to train, or not process 0
         return 0
     print(report.format_summary(summary))
     print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
@@ -97,6 +107,11 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the newest complete checkpoint in DIR (default: checkpoint.dir), on this config's mesh",
     )
     t.add_argument("--resume-fallback", action="store_true", help="if the newest checkpoint is unreadable, use the previous one")
+    dist = t.add_argument_group("multi-process (one process per host; host_devices = devices per process)")
+    dist.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with cluster auto-detection")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address (process 0 listens there)")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
     t.set_defaults(fn=_cmd_train)
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints")

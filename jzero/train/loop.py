@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -123,7 +124,8 @@ def train(
         strategy and path); checkpoints keep going to `checkpoint.dir` (default: there).
       resume_fallback: if the newest checkpoint is unreadable, use the one before it.
     Returns:
-      the summary (see `report.summarize`), None if the checkpoint already reached the end.
+      the summary (see `report.summarize`), None if the checkpoint already reached the end,
+      {} on processes other than 0 (only process 0 writes files and reports).
     """
     from jzero.train import report
     from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
@@ -142,18 +144,25 @@ def train(
         if start >= cfg.train.steps:
             print(f"checkpoint step {start} already reached train.steps={cfg.train.steps}: nothing to do")
             return None
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (metrics, state), compile_s = _loop(run, state, start, out_dir, ckpt, progress)
+        main_process = jax.process_index() == 0
+        if main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        (metrics, state), compile_s = _loop(run, state, start, out_dir if main_process else None, ckpt, progress)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for an in-flight async save
     summary = report.summarize(run, state, metrics, compile_s)
+    if not main_process:
+        return {}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _loop(run: Run, state: TrainState, start: int, out_dir: Path, ckpt, progress: bool):
-    """Steps `start` .. `train.steps`; returns ((metrics, final state), compile seconds)."""
+def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, progress: bool):
+    """Steps `start` .. `train.steps`; returns ((metrics, final state), compile seconds).
+
+    out_dir None: write no metrics file (processes other than 0).
+    """
     cfg = run.cfg
     t0 = time.perf_counter()
     step_fn = run.step_fn.lower(state, run.device_batch(start)).compile()  # compile outside the timings
@@ -161,9 +170,9 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path, ckpt, progress
     schedule = lr_schedule(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     metrics = []
-    bar = _progress(cfg.train.steps, progress)
+    bar = _progress(cfg.train.steps, progress and out_dir is not None)
     bar.update(start)
-    with open(out_dir / "metrics.jsonl", "w") as f:
+    with open(out_dir / "metrics.jsonl" if out_dir else os.devnull, "w") as f:
         for step in range(start, cfg.train.steps):
             batch = run.device_batch(step)
             t = time.perf_counter()
