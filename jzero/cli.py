@@ -1,4 +1,4 @@
-"""`jzero` command line: train (and, as they land, layout / hlo / memory / ckpt).
+"""`jzero` command line: train, layout, hlo, memory, ckpt.
 
 JAX is imported only after the config is read, so `train.host_devices` can set the
 number of simulated CPU devices before the backend starts.
@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--rank", type=int, default=0, help="data-parallel rank to show (default 0)")
     lay.add_argument("--json", action="store_true", help="the whole layout, every rank, as JSON")
     lay.set_defaults(fn=_cmd_layout)
+
+    from jzero.inspect.commands import add_parsers  # jzero hlo, jzero memory (imports no JAX)
+
+    add_parsers(sub, with_config)
     return p
 
 

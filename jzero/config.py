@@ -53,9 +53,28 @@ class DataKind(str, enum.Enum):
     TEXT = "text"  # byte-level tokens from a directory of text files
 
 
+class MlpKind(str, enum.Enum):
+    GELU = "gelu"  # GPT-2: fc2(gelu(fc1(x)))
+    SWIGLU = "swiglu"  # LLaMA: fc2(silu(x W_gate) * (x W_up)), fc1 holds [gate, up]
+
+
+class NormKind(str, enum.Enum):
+    LAYERNORM = "layernorm"  # scale and bias (bias only with model.bias)
+    RMSNORM = "rmsnorm"  # scale only (LLaMA)
+
+
+class PosKind(str, enum.Enum):
+    LEARNED = "learned"  # a pos_emb[T, D] param (GPT-2)
+    ROPE = "rope"  # rotary embeddings on q and k, no params (LLaMA)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT: token + position embeddings, pre-norm attention and MLP blocks."""
+    """A GPT: token embeddings, pre-norm attention and MLP blocks.
+
+    The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options
+    (swiglu, rmsnorm, no bias, rope, grouped-query attention).
+    """
 
     vocab_size: int = 256  # byte-level text needs >= 256
     d_model: int = 128
@@ -64,6 +83,13 @@ class ModelConfig:
     d_ff: int = 512  # 4 x d_model, as in GPT-2
     seq_len: int = 128
     tie_embeddings: bool = True  # output head reuses the token embedding
+    mlp: MlpKind = MlpKind.GELU  # swiglu: fc1/kernel[D, 2, F_tp] (gate, up), fc2 row-parallel
+    norm: NormKind = NormKind.LAYERNORM
+    bias: bool = True  # biases of attn/proj, mlp/fc1, mlp/fc2 and layernorm (LLaMA: none)
+    n_kv_heads: int | None = None  # grouped-query attention (LLaMA-2-70B: 8); None = n_heads
+    pos: PosKind = PosKind.LEARNED
+    scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them
+    remat: bool = False  # jax.checkpoint on each block: recompute its activations in backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +327,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
     if m.d_ff % mesh.tp:
         raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
+    if m.n_kv_heads is not None:
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+        if m.n_kv_heads % mesh.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}")
     split = cfg.dp_domain_size * t.microbatches
     if t.global_batch % split:
         raise ConfigError(

@@ -198,7 +198,7 @@ def _balanced(text: str, start: int, open_: str, close: str) -> int:
             depth -= 1
             if depth == 0:
                 return i + 1
-    raise ValueError(f"unbalanced {open_}{close} in HLO: {text[start:start + 120]!r}")
+    raise ValueError(f"unbalanced {open_}{close} in HLO: {text[start : start + 120]!r}")
 
 
 def _parse_instruction(line: str) -> tuple[str, str, str, str, str] | None:
@@ -357,9 +357,7 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
 # --------------------------------------------------------------------------- meaning
 
 
-def axes_of_groups(
-    replica_groups: Iterable[Sequence[int]], mesh: Mesh, *, ids: str = "partition"
-) -> tuple[str, ...]:
+def axes_of_groups(replica_groups: Iterable[Sequence[int]], mesh: Mesh, *, ids: str = "partition") -> tuple[str, ...]:
     """The mesh axes along which the members of a replica group differ.
 
     Arguments:

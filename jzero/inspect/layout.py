@@ -31,10 +31,7 @@ def describe(fp: FlatPlan) -> dict:
         owned = []
         for b, per_param in enumerate(lay.owned(r)):
             for i, rg in sorted(per_param.items(), key=lambda kv: kv[1]["gbuf_world"].start):
-                owned.append(
-                    {"bucket": b, "name": tensors[i].name}
-                    | {k: [v.start, v.end] for k, v in rg.items()}
-                )
+                owned.append({"bucket": b, "name": tensors[i].name} | {k: [v.start, v.end] for k, v in rg.items()})
         ranks.append({"rank": r, "owned_numel": lay.owned_numel(r), "owned": owned})
     return {
         "buffer": {
@@ -68,7 +65,9 @@ def format_layout(d: dict, rank: int) -> str:
         p0, p1 = o["param"]
         w0, w1 = o["gbuf_world"]
         l0, l1 = o["gbuf_local"]
-        lines.append(f"  bucket {o['bucket']}  {o['name']:32} param [{p0}, {p1})  gbuf_world [{w0}, {w1})  gbuf_local [{l0}, {l1})")
+        lines.append(
+            f"  bucket {o['bucket']}  {o['name']:32} param [{p0}, {p1})  gbuf_world [{w0}, {w1})  gbuf_local [{l0}, {l1})"
+        )
     totals = ", ".join(f"{x['rank']}: {x['owned_numel']}" for x in d["ranks"])
     lines.append(f"owned elements per rank: {totals}")
     return "\n".join(lines)

@@ -84,8 +84,11 @@ class Run:
         return jax.make_array_from_callback(batch.shape, batch_sharding(self.mesh), lambda index: batch[index])
 
 
-def setup(cfg: Config, devices: list | None = None) -> Run:
-    """Resolves the mesh, shardings and jitted step for `cfg` (raises ConfigError on misfit)."""
+def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
+    """Resolves the mesh, shardings and jitted step for `cfg` (raises ConfigError on misfit).
+
+    with_data=False skips the dataset (compile-only tools never read it).
+    """
     mesh = make_mesh(cfg.mesh, devices)
     dtype = jnp.dtype(cfg.precision.param_dtype.value)
     model = GPTModel(cfg.model, param_dtype=dtype, seed=cfg.train.seed)
@@ -110,7 +113,8 @@ def setup(cfg: Config, devices: list | None = None) -> Run:
         )
         init_opt = optimizer.init
         grads_fn = build_grads(model.loss, plan, microbatches=micro, grad_reduce_dtype=reduce_dtype)
-    return Run(cfg, mesh, model, plan, inner, init_opt, shardings, step_fn, grads_fn, make_dataset(cfg))
+    dataset = make_dataset(cfg) if with_data else None
+    return Run(cfg, mesh, model, plan, inner, init_opt, shardings, step_fn, grads_fn, dataset)
 
 
 def train(

@@ -114,3 +114,25 @@ def format_summary(s: dict) -> str:
     else:
         lines.append("  every tensor is sharded over its DP domain" if s["strategy"] != "no_shard" else "")
     return "\n".join(line for line in lines if line)
+
+
+def formula_split(run, d: int | None = None) -> dict:
+    """`formula_bytes` with the optimizer state split into fp32 main params and moments.
+
+    Keys: params, main_params, optimizer_moments, grads (bytes per device); d=1 gives DDP.
+    """
+    f = formula_bytes(run, d)
+    d = axes_size(run.plan.mesh, ("dp_outer", "dp", "ep")) if d is None else d
+    main_b = 0 if jnp.dtype(run.cfg.precision.param_dtype.value).itemsize == 4 else 4
+    main = _tp_local_numel(run.plan) * main_b / (d if run.plan.shards_state else 1)
+    return {
+        "params": f["params"],
+        "main_params": main,
+        "optimizer_moments": f["optimizer_state"] - main,
+        "grads": f["grads"],
+    }
+
+
+def tp_local_numel(plan) -> int:
+    """Parameter count one tp rank holds (the P of Megatron's per-device formulas)."""
+    return _tp_local_numel(plan)

@@ -1,0 +1,106 @@
+"""`jzero hlo` and `jzero memory`: compile the train step once per ZeRO strategy, run nothing, and
+report its collectives (`comms`) or its bytes per device (`memory`), for the local CPU devices
+or a GPU pod compiled deviceless (`--target h100 --topology "4 x 1 x 8"`).
+
+Registered by `jzero.cli` through `add_parsers`; like every command, a handler reads the config
+first and imports JAX only after `_start_jax` (which sets the simulated device count).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from jzero.config import Config, ConfigError, ShardingStrategy, load_config
+
+# The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
+TARGET_CHOICES = ("cpu", "h100", "a100", "h200")
+DEFAULT_STRATEGIES = "no_shard,optim,optim_grads"
+
+
+def add_parsers(subparsers, with_config) -> None:
+    """Adds `hlo` and `memory` to the `jzero` subcommands; `with_config(sp)` adds CONFIG and --set."""
+    h = subparsers.add_parser("hlo", help="compiled collectives of each ZeRO stage: count, bytes, axes, vs theory")
+    with_config(h)
+    _common(h)
+    h.set_defaults(fn=cmd_hlo)
+
+    m = subparsers.add_parser("memory", help="per-device bytes of each ZeRO stage (compiled and formula), fits?")
+    with_config(m)
+    _common(m)
+    m.set_defaults(fn=cmd_memory)
+
+
+def _common(sp) -> None:
+    sp.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES})",
+    )
+    sp.add_argument("--path", choices=("spec", "flat"), help="zero.path (default: the config's)")
+    sp.add_argument(
+        "--target", choices=TARGET_CHOICES, default="cpu", help="compile for (default: the local cpu devices)"
+    )
+    sp.add_argument(
+        "--topology",
+        metavar='"S x H x D"',
+        help='GPU pod: slices x hosts per slice x GPUs per host, e.g. "4 x 1 x 8" = 32 GPUs '
+        "(default: hosts of 8 GPUs holding the mesh); its product must equal the mesh size",
+    )
+    sp.add_argument("--json", metavar="FILE", help="also write the report as JSON (schema: README)")
+
+
+def _strategies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    known = [s.value for s in ShardingStrategy]
+    for s in names:
+        if s not in known:
+            raise ConfigError(f"--strategies: {s!r} is not one of: {', '.join(known)}")
+    if not names:
+        raise ConfigError("--strategies is empty")
+    return list(dict.fromkeys(names))
+
+
+def _compile_all(cfg: Config, args) -> dict:
+    """{strategy: CompiledStep} for every strategy of `--strategies`."""
+    from jzero.inspect.compile import compile_step, with_zero
+
+    out = {}
+    for s in _strategies(args.strategies):
+        out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology)
+        print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _write_json(path: str | None, doc: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_hlo(args) -> int:
+    cfg = load_config(args.config, args.set)
+    from jzero.cli import _start_jax
+
+    _start_jax(cfg)
+    from jzero.inspect import comms
+
+    doc = comms.report(_compile_all(cfg, args))
+    print(comms.format_report(doc))
+    _write_json(args.json, doc)
+    return 0
+
+
+def cmd_memory(args) -> int:
+    cfg = load_config(args.config, args.set)
+    from jzero.cli import _start_jax
+
+    _start_jax(cfg)
+    from jzero.inspect import memory
+
+    doc = memory.report(_compile_all(cfg, args))
+    print(memory.format_report(doc))
+    _write_json(args.json, doc)
+    return 0

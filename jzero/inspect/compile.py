@@ -1,0 +1,140 @@
+"""Compile a config's train step without running it, for the local devices or a GPU pod.
+
+Nothing is allocated: the train state and the batch are `ShapeDtypeStruct`s carrying
+their shardings, and `jax.jit(step).lower(...).compile()` gives the program XLA would
+run (`as_text()` for the collectives, `memory_analysis()` for the bytes). For a GPU
+target the devices are compile-only (FACTS.md section 4): the CUDA compiler needs a
+description of the card, not the card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jzero.config import Config, ConfigError, ShardingStrategy, ZeroPath, validate
+from jzero.mesh import AXES
+from jzero.train import loop
+from jzero.zero.step import TrainState, batch_sharding
+
+CPU = "cpu"
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """One config's train step, compiled for a target.
+
+    Attributes:
+      run: what `loop.setup` built (mesh, plan, shardings, jitted step); its dataset is None.
+      compiled: the compiled step (`as_text()`, `memory_analysis()`); it cannot run on a GPU target.
+      state: the abstract `TrainState`, leaves `ShapeDtypeStruct`s with their NamedShardings.
+      target: "cpu" or a key of `targets.TARGETS`.
+      topology: "slices x hosts x gpus" of a GPU target, None on cpu.
+      compile_s: seconds spent in lower + compile.
+    """
+
+    run: loop.Run
+    compiled: jax.stages.Compiled
+    state: TrainState
+    target: str
+    topology: str | None
+    compile_s: float
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+
+def default_topology(n_devices: int) -> str:
+    """One host up to 8 GPUs, else hosts of 8: 8 -> "1 x 1 x 8", 64 -> "8 x 1 x 8"."""
+    if n_devices <= 8:
+        return f"1 x 1 x {n_devices}"
+    if n_devices % 8:
+        raise ConfigError(f"{n_devices} GPUs do not fill hosts of 8; pass --topology explicitly")
+    return f"{n_devices // 8} x 1 x 8"
+
+
+def target_devices(cfg: Config, target: str, topology: str | None) -> list | None:
+    """The devices to build `cfg`'s mesh on, in the order `make_mesh` reshapes them.
+
+    cpu: None (the local devices). A GPU target: the compile-only devices of `topology`
+    (default `default_topology(cfg.n_devices)`), which must number exactly the mesh's size.
+    """
+    if target == CPU:
+        if topology is not None:
+            raise ConfigError("--topology describes a GPU pod; use it with --target h100, a100 or h200")
+        return None
+    from jzero.inspect import targets
+
+    topology = topology or default_topology(cfg.n_devices)
+    try:
+        n = math.prod(targets.parse_topology(topology))
+    except ValueError as e:
+        raise ConfigError(f"--topology: {e}") from None
+    m = cfg.mesh
+    if cfg.n_devices != n:
+        raise ConfigError(
+            f"mesh dp_outer*dp*ep*tp = {m.dp_outer}*{m.dp}*{m.ep}*{m.tp} = {cfg.n_devices} does not fit "
+            f"--topology {topology!r} of {n} GPUs (set mesh sizes whose product is {n})"
+        )
+    try:
+        mesh = targets.gpu_mesh(target, topology, (m.dp_outer, m.dp, m.ep, m.tp), AXES)
+    except RuntimeError as e:  # the CUDA plugin is missing: the message says what to install
+        if targets.cuda_plugin_available():
+            raise
+        raise ConfigError(str(e)) from None
+    return list(mesh.devices.flat)
+
+
+def with_zero(
+    cfg: Config, strategy: ShardingStrategy | str | None = None, path: ZeroPath | str | None = None
+) -> Config:
+    """`cfg` with another ZeRO strategy and/or path, validated."""
+    zero = cfg.zero
+    if strategy is not None:
+        zero = dataclasses.replace(zero, strategy=ShardingStrategy(strategy))
+    if path is not None:
+        zero = dataclasses.replace(zero, path=ZeroPath(path))
+    cfg = dataclasses.replace(cfg, zero=zero)
+    validate(cfg)
+    return cfg
+
+
+def setup_without_data(cfg: Config, devices: list | None) -> loop.Run:
+    """`loop.setup` minus the dataset, which compiling never reads (and which can be costly:
+    the synthetic chain is a [V, V] matrix, 8 GB at LLaMA's V = 32000)."""
+    return loop.setup(cfg, devices, with_data=False)
+
+
+def abstract_state(run: loop.Run) -> TrainState:
+    """The train state as `ShapeDtypeStruct`s in `run.shardings` (traced, never allocated)."""
+    shapes = jax.eval_shape(run.init_state)
+    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.shardings, shapes)
+
+
+def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) -> CompiledStep:
+    """Builds `cfg`'s run on the target's devices and compiles one train step on abstract inputs.
+
+    Arguments:
+      cfg: a validated config; its zero.strategy and zero.path select the step.
+      target: "cpu" (the local, possibly simulated, devices) or a GPU target ("h100", ...).
+      topology: a GPU target's "slices x hosts_per_slice x gpus_per_host".
+
+    Raises:
+      ConfigError: the mesh does not fit the devices or topology, or the CUDA plugin is missing.
+    """
+    devices = target_devices(cfg, target, topology)
+    if target != CPU:
+        topology = topology or default_topology(cfg.n_devices)
+    run = setup_without_data(cfg, devices)
+    state = abstract_state(run)
+    batch = jax.ShapeDtypeStruct(
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sharding(run.mesh)
+    )
+    t0 = time.perf_counter()
+    compiled = run.step_fn.lower(state, batch).compile()
+    return CompiledStep(run, compiled, state, target, topology, time.perf_counter() - t0)

@@ -1,0 +1,152 @@
+"""Bytes per device of a compiled train step, beside Megatron's formula, and whether it fits.
+
+Two views of one compiled step (`compile.compile_step`), both per device:
+
+- the state as laid out, from shapes and shardings (exact, nothing allocated):
+    params             the model copy, `plan.param_shardings()`, in param_dtype
+    main_params        the fp32 master copy (only when params are not fp32)
+    optimizer_moments  the inner optax state (Adam's mu and nu; its step counter)
+    grads              the reduced grads as the step holds them: `plan.grad_shardings()`
+                       in grad_reduce_dtype (spec path), the grad buckets (flat path).
+                       They live inside the step, so XLA may never materialise them whole:
+                       compare `temp` below.
+  beside Megatron's formula (FACTS.md section 2, `report.formula_split`);
+- the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
+  (the new state, aliased to the donated arguments), temp (activations, local grads,
+  collective buffers) and the peak. XLA:GPU reports the peak of its schedule; XLA:CPU's
+  `peak_memory_in_bytes` leaves temp out, so the peak shown is the larger of XLA's and
+  arguments + outputs - aliased + temp (an upper bound, equal to XLA's on GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzero.config import ZeroPath
+from jzero.inspect.comms import LABELS, count, header, human
+from jzero.inspect.compile import CPU, CompiledStep
+from jzero.mesh import TP_AXIS
+from jzero.train.report import formula_split
+
+SCHEMA = "jzero.memory/1"
+PARTS = ("params", "main_params", "optimizer_moments", "grads")
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs or arrays with NamedShardings)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def grad_structs(c: CompiledStep):
+    """The reduced grads as the step holds them, as sharded ShapeDtypeStructs."""
+    cfg, plan = c.cfg, c.run.plan
+    dtype = jnp.dtype(cfg.precision.grad_reduce_dtype.value)
+    if cfg.zero.path == ZeroPath.FLAT:
+        from jzero.zero.flat import make_flat_plan
+
+        fp = make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
+        sharding = NamedSharding(plan.mesh, P(TP_AXIS, fp.dp_axes if plan.shards_grads else None))
+        return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in fp.bucket_shapes()]
+    return jax.tree.map(
+        lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s), plan.tensors, plan.grad_shardings()
+    )
+
+
+def state_bytes(c: CompiledStep) -> dict:
+    """Per-device bytes of params, main params, optimizer moments and grads (module docstring)."""
+    opt = c.state.opt_state
+    return {
+        "params": shard_bytes(c.state.params),
+        "main_params": 0 if opt.main_params is None else shard_bytes(opt.main_params),
+        "optimizer_moments": shard_bytes(opt.inner_state),
+        "grads": shard_bytes(grad_structs(c)),
+    }
+
+
+def compiled_bytes(c: CompiledStep) -> dict:
+    """The compiled program's `memory_analysis()` per device, with the peak (module docstring)."""
+    m = c.compiled.memory_analysis()
+    out = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "generated_code": m.generated_code_size_in_bytes,
+        "xla_peak": getattr(m, "peak_memory_in_bytes", 0),
+    }
+    bound = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["peak"] = max(out["xla_peak"], bound)
+    return out
+
+
+def analyze(c: CompiledStep, memory_bytes: int | None) -> dict:
+    """One strategy's memory document; `memory_bytes` is the device's memory (None on cpu)."""
+    state = state_bytes(c)
+    formula = formula_split(c.run)
+    compiled = compiled_bytes(c)
+    return {
+        "compile_s": round(c.compile_s, 3),
+        "state": {**state, "total": sum(state.values())},
+        "formula": {**formula, "total": sum(formula.values())},
+        "compiled": compiled,
+        "fits": None if memory_bytes is None else compiled["peak"] <= memory_bytes,
+    }
+
+
+def report(compiled: dict[str, CompiledStep]) -> dict:
+    """The `jzero memory --json` document: {schema, <header>, memory_bytes, strategies: {...}}."""
+    first = next(iter(compiled.values()))
+    memory = None
+    if first.target != CPU:
+        from jzero.inspect.targets import TARGETS
+
+        memory = TARGETS[first.target].memory_bytes
+    return {
+        "schema": SCHEMA,
+        **header(first),
+        "memory_bytes": memory,
+        "strategies": {s: analyze(c, memory) for s, c in compiled.items()},
+    }
+
+
+def format_report(doc: dict) -> str:
+    mesh = " ".join(f"{k}={v}" for k, v in doc["mesh"].items())
+    where = doc["target"] if doc["topology"] is None else f"{doc['target']} ({doc['topology']})"
+    prec = doc["config"]["precision"]
+    memory = "" if doc["memory_bytes"] is None else f", {human(doc['memory_bytes'])} per device"
+    lines = [
+        f"per-device memory of the compiled train step, {count(doc['params'])} params "
+        f"({prec['param_dtype']} params, {prec['grad_reduce_dtype']} grads), path={doc['path']}",
+        f"target {where}, {doc['device_kind']}{memory}, mesh {mesh}, d={doc['d']}",
+        "",
+    ]
+    for name, s in doc["strategies"].items():
+        lines += [f"== {name} ({LABELS.get(name, name)}), compiled in {s['compile_s']:.1f} s ==",
+                  f"  {'state (shardings x shapes)':<28}{'jzero':>14}{'Megatron formula':>20}"]  # fmt: skip
+        for part in (*PARTS, "total"):
+            lines.append(f"  {part:<28}{human(s['state'][part]):>14}{human(s['formula'][part]):>20}")
+        cb = s["compiled"]
+        lines.append(
+            f"  compiled: arguments {human(cb['argument'])}, outputs {human(cb['output'])} "
+            f"(aliased {human(cb['alias'])}), temp {human(cb['temp'])}, peak {human(cb['peak'])}"
+        )
+        if s["fits"] is not None:
+            lines.append(f"  fits {doc['target']}: {'yes' if s['fits'] else 'NO'}")
+        lines.append("")
+    cols = f"  {'strategy':<14}{'state':>14}{'formula':>14}{'temp':>14}{'peak':>14}"
+    lines.append(cols + ("" if doc["memory_bytes"] is None else "  fits"))
+    for name, s in doc["strategies"].items():
+        row = (
+            f"  {name:<14}{human(s['state']['total']):>14}{human(s['formula']['total']):>14}"
+            f"{human(s['compiled']['temp']):>14}{human(s['compiled']['peak']):>14}"
+        )
+        lines.append(row + ("" if s["fits"] is None else f"  {'yes' if s['fits'] else 'NO'}"))
+    return "\n".join(lines)
