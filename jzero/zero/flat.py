@@ -116,21 +116,26 @@ def make_flat_plan(plan: ShardingPlan, bucket_size: int | None, pad_for_high_ncc
 # ---------------------------------------------------------------- local (per-device) buffer ops
 
 
+def _assemble(fp: FlatPlan, b: int, rows: list, zeros) -> jax.Array:
+    """Bucket b from per-param rows (leaves order, flattened on the last axis), with
+    `zeros(n)` in the 64-element alignment gaps and the end padding."""
+    start, end = fp.layout.bucket_indices[b]
+    pieces, cursor = [], start
+    for i in fp.layout.bucket_params[b]:
+        ps, pe, _ = fp.layout.param_index_map[i]
+        if ps > cursor:
+            pieces.append(zeros(ps - cursor))
+        pieces.append(rows[i])
+        cursor = pe
+    if end > cursor:
+        pieces.append(zeros(end - cursor))
+    return jnp.concatenate(pieces, axis=-1)
+
+
 def flatten(fp: FlatPlan, leaves: list[jax.Array], dtype) -> list[jax.Array]:
     """tp-local param-shaped leaves -> one [S_b] array per bucket, zero in alignment/padding gaps."""
-    buckets = []
-    for b, (start, end) in enumerate(fp.layout.bucket_indices):
-        pieces, cursor = [], start
-        for i in fp.layout.bucket_params[b]:
-            ps, pe, _ = fp.layout.param_index_map[i]
-            if ps > cursor:
-                pieces.append(jnp.zeros(ps - cursor, dtype))
-            pieces.append(leaves[i].reshape(-1).astype(dtype))
-            cursor = pe
-        if end > cursor:
-            pieces.append(jnp.zeros(end - cursor, dtype))
-        buckets.append(jnp.concatenate(pieces))
-    return buckets
+    rows = [x.reshape(-1).astype(dtype) for x in leaves]
+    return [_assemble(fp, b, rows, lambda n: jnp.zeros(n, dtype)) for b in range(len(fp.layout.bucket_indices))]
 
 
 def unflatten(fp: FlatPlan, buckets: list[jax.Array], dtypes: list) -> list[jax.Array]:
@@ -378,19 +383,8 @@ def params_to_buckets(fp: FlatPlan, leaves: list[jax.Array]) -> list[jax.Array]:
         else:
             piece = jnp.moveaxis(x.reshape(*x.shape[:k], n_tp, x.shape[k] // n_tp, *x.shape[k + 1 :]), k, 0)
         rows.append(piece.reshape(n_tp, -1))
-    buckets = []
-    for b, (start, end) in enumerate(fp.layout.bucket_indices):
-        pieces, cursor = [], start
-        for i in fp.layout.bucket_params[b]:
-            ps, pe, _ = fp.layout.param_index_map[i]
-            if ps > cursor:
-                pieces.append(jnp.zeros((n_tp, ps - cursor), rows[i].dtype))
-            pieces.append(rows[i])
-            cursor = pe
-        if end > cursor:
-            pieces.append(jnp.zeros((n_tp, end - cursor), rows[i].dtype))
-        buckets.append(jnp.concatenate(pieces, axis=1))
-    return buckets
+    zeros = lambda n: jnp.zeros((n_tp, n), rows[0].dtype)  # noqa: E731
+    return [_assemble(fp, b, rows, zeros) for b in range(len(fp.layout.bucket_indices))]
 
 
 def _convert_state(inner, state, src_abstract, dst_abstract, n_src: int, convert) -> PyTree:
