@@ -142,6 +142,10 @@ def test_replica_group_forms():
         (7, 5, 3, 1),
         (6, 4, 2, 0),
     )
+    # The short device order XLA prints for a transposed mesh: iota over [4,2], transposed.
+    assert groups("replica_groups=mesh['a'=4,'b'=2], device_ids=([4,2]T(1,0)) {'a'}") == groups(
+        "replica_groups=mesh['a'=4,'b'=2], device_ids=(0,2,4,6,1,3,5,7) {'a'}"
+    )
 
 
 def test_axes_of_groups_by_partition_or_device_id():

@@ -44,6 +44,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>
 _HEADER = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
 _OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
+_BARE_IOTA = re.compile(r"\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]*)\))?")
 _IOTA = re.compile(r"\[(?P<dims>[\d,]*)\]<=\[(?P<reshape>[\d,]*)\](?:T\((?P<perm>[\d,]*)\))?")
 _MESH = re.compile(r"mesh\[(?P<axes>[^\]]*)\]")
 _MESH_AXIS = re.compile(r"'?(?P<name>[^'=,\s]+)'?\s*=\s*(?P<size>\d+)")
@@ -315,8 +316,15 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     if ids:
         close = _balanced(rest, ids.end() - 1, "(", ")")
         inner = rest[ids.end() : close - 1]
-        iota = _IOTA.search(inner)
-        devices = _iota_array(iota).ravel() if iota else np.array(_ints(re.sub(r"devices=\[[\d,]*\]", "", inner)))
+        iota, bare = _IOTA.search(inner), _BARE_IOTA.fullmatch(inner.strip())
+        if iota:
+            devices = _iota_array(iota).ravel()
+        elif bare:  # `[4,2]T(1,0)`: an iota over [4,2], transposed, flattened
+            reshape = _ints(bare.group("reshape"))
+            perm = _ints(bare.group("perm")) if bare.group("perm") is not None else list(range(len(reshape)))
+            devices = np.arange(math.prod(reshape)).reshape(reshape).transpose(perm).ravel()
+        else:
+            devices = np.array(_ints(re.sub(r"devices=\[[\d,]*\]", "", inner)))
         rest = rest[close:]
     else:
         devices = np.arange(math.prod(size for _, size in axes))
