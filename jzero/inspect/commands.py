@@ -80,27 +80,24 @@ def _write_json(path: str | None, doc: dict) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
-def cmd_hlo(args) -> int:
+def _report(args, module_name: str) -> int:
+    """Compiles every strategy, prints the `comms` or `memory` report, writes --json."""
     cfg = load_config(args.config, args.set)
     from jzero.cli import _start_jax
 
     _start_jax(cfg)
-    from jzero.inspect import comms
+    import importlib
 
-    doc = comms.report(_compile_all(cfg, args))
-    print(comms.format_report(doc))
+    module = importlib.import_module(f"jzero.inspect.{module_name}")
+    doc = module.report(_compile_all(cfg, args))
+    print(module.format_report(doc))
     _write_json(args.json, doc)
     return 0
+
+
+def cmd_hlo(args) -> int:
+    return _report(args, "comms")
 
 
 def cmd_memory(args) -> int:
-    cfg = load_config(args.config, args.set)
-    from jzero.cli import _start_jax
-
-    _start_jax(cfg)
-    from jzero.inspect import memory
-
-    doc = memory.report(_compile_all(cfg, args))
-    print(memory.format_report(doc))
-    _write_json(args.json, doc)
-    return 0
+    return _report(args, "memory")
