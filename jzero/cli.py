@@ -12,40 +12,24 @@ import sys
 import time
 from pathlib import Path
 
-from jzero.config import Config, ConfigError, load_config
+from jzero.config import Config, ConfigError, ZeroPath, load_config
 
 
-def _start_jax(cfg: Config, args: argparse.Namespace | None = None) -> None:
-    """Sets the simulated CPU device count (no effect on GPU) before JAX initialises,
-    and joins a multi-process run if asked (`--distributed` or `--coordinator`).
+def _start(cfg: Config, args: argparse.Namespace | None = None) -> None:
+    """Starts JAX for `cfg` (and joins a multi-process run if `args` asks)."""
+    from jzero.runtime import start_jax
 
-    On a machine with no NVIDIA device, JAX_PLATFORMS defaults to cpu, so an installed
-    CUDA plugin (the gpu-aot extra, for deviceless compilation) does not fail loudly
-    trying to start a GPU backend.
-    """
-    cpu = "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists()
-    if cpu:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", cfg.train.host_devices)
-    except RuntimeError:
-        pass  # JAX already started in this process; make_mesh reports a device-count mismatch
+    dist = {}
     if args is not None and getattr(args, "coordinator", None):
-        if os.environ.get("JAX_PLATFORMS") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-    elif args is not None and getattr(args, "distributed", False):
-        jax.distributed.initialize()  # SLURM, Open MPI, Kubernetes... detected by JAX
-
+        dist = dict(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    start_jax(cfg.train.host_devices, distributed=bool(getattr(args, "distributed", False)), **dist)
 
 
 def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         raise ConfigError("--coordinator needs --num-processes and --process-id")
-    _start_jax(cfg, args)
+    _start(cfg, args)
     from jzero.train import report
     from jzero.train.loop import train
 
@@ -67,23 +51,16 @@ def _cmd_ckpt_info(args) -> int:
 
 
 def _cmd_layout(args) -> int:
-    cfg = load_config(args.config, args.set)
-    _start_jax(cfg)
+    import dataclasses
     import json
 
-    import jax
-
+    cfg = load_config(args.config, args.set)
+    cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the layout is the flat path's
+    _start(cfg)
     from jzero.inspect.layout import describe, format_layout
-    from jzero.mesh import make_mesh
-    from jzero.train.model import GPTModel
-    from jzero.zero.flat import make_flat_plan
-    from jzero.zero.strategies import make_plan
+    from jzero.train.loop import setup
 
-    mesh = make_mesh(cfg.mesh)
-    model = GPTModel(cfg.model, param_dtype=jax.numpy.dtype(cfg.precision.param_dtype.value))
-    abstract = model.abstract_params()
-    plan = make_plan(mesh, cfg.zero.strategy, abstract, model.tp_specs(abstract))
-    d = describe(make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw))
+    d = describe(setup(cfg, with_data=False).zero.flat)
     if not 0 <= args.rank < d["buffer"]["dp_size"]:
         raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
     print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))

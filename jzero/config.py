@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from pathlib import Path
@@ -119,13 +120,28 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamGroupRule:
+    """Multipliers for the params whose name matches `pattern` (Megatron's param groups).
+
+    A param's lr is `optimizer.lr * lr_mult` and its weight decay `optimizer.weight_decay *
+    wd_mult`; a rule sets only the multipliers it gives, and later rules win.
+    """
+
+    pattern: str  # regular expression searched in the param's name, e.g. "tok_emb" or "blocks/.*/bias"
+    lr_mult: float | None = None  # None = keep
+    wd_mult: float | None = None  # None = keep (adamw only)
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.ADAMW
     lr: float = 3e-3  # peak learning rate
     b1: float = 0.9  # Adam beta1; SGD momentum (0 = plain SGD)
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # AdamW only; applied to matrices, not biases/norms
+    weight_decay: float = 0.1  # AdamW only; see weight_decay_1d
+    weight_decay_1d: bool = False  # also decay biases and 1-D params (norm scales); Megatron does not
+    param_groups: tuple[ParamGroupRule, ...] = ()  # per-name lr/wd multipliers, applied in order
     clip_grad: float | None = 1.0  # global-norm clipping over all shards; None = off
     warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
 
@@ -183,6 +199,13 @@ class Config:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Checks and converts one YAML value to the field type `tp`."""
     origin = typing.get_origin(tp)
+    if origin is tuple:  # tuple[Item, ...]: a YAML list
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):
+            return tuple(_build(item, v, f"{key}[{i}].") for i, v in enumerate(value))
+        return tuple(_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -223,6 +246,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
+    missing = [
+        key for key, f in ((_yaml_key(f), f) for f in dataclasses.fields(cls))
+        if key not in raw and f.default is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"config key {prefix}{missing[0]} is required")
     kwargs = {}
     for key_name, value in raw.items():
         name, key = fields[key_name], f"{prefix}{key_name}"
@@ -286,7 +315,11 @@ def to_dict(cfg: Config) -> dict:
     """The config as plain YAML/JSON-able values."""
 
     def plain(v):
-        return v.value if isinstance(v, enum.Enum) else v
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, tuple):
+            return [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else plain(x) for x in v]
+        return v
 
     return {
         f.name: {_yaml_key(g): plain(getattr(getattr(cfg, f.name), g.name)) for g in dataclasses.fields(getattr(cfg, f.name))}
@@ -302,6 +335,21 @@ def _positive(key: str, value: int | float) -> None:
         raise ConfigError(f"{key}={value} must be positive")
 
 
+def _check_param_groups(o: OptimizerConfig) -> None:
+    for i, rule in enumerate(o.param_groups):
+        key = f"optimizer.param_groups[{i}]"
+        try:
+            re.compile(rule.pattern)
+        except re.error as e:
+            raise ConfigError(f"{key}.pattern={rule.pattern!r} is not a regular expression: {e}") from None
+        for field in ("lr_mult", "wd_mult"):
+            value = getattr(rule, field)
+            if value is not None and not value >= 0:
+                raise ConfigError(f"{key}.{field}={value} must be >= 0")
+        if rule.wd_mult is not None and o.name != OptimizerName.ADAMW:
+            raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw has)")
+
+
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
@@ -313,6 +361,7 @@ def validate(cfg: Config) -> None:
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("optimizer.lr", o.lr)
+    _check_param_groups(o)
     if o.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     if o.clip_grad is not None:

@@ -29,7 +29,8 @@ TP_AXIS = "tp"
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """A mesh of shape (dp_outer, dp, ep, tp) over `devices` (default: all devices).
 
-    Axis types are Auto so sharding constraints inside jit are honoured (FACTS 3).
+    Axis types are Auto so sharding constraints inside jit are honoured (docs/xla.md,
+    "Auto axes and sharding constraints").
     """
     devices = jax.devices() if devices is None else devices
     shape = (cfg.dp_outer, cfg.dp, cfg.ep, cfg.tp)

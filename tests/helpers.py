@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import numpy as np
 import optax
 
-from jzero.config import Config, from_dict
-from jzero.train.loop import inner_optimizer, setup
+from jzero.config import Config, MeshConfig, OptimizerName, ZeroConfig, from_dict
+from jzero.train.loop import lr_schedule, param_groups, setup
 from jzero.train.model import GPTModel
-from jzero.zero.optimizer import clip_by_global_norm
+from jzero.zero.groups import ParamGroup
+from jzero.zero.update import clip_by_global_norm
 
 STEPS = 5
 
@@ -32,14 +34,44 @@ def tiny_config(strategy="optim_grads", mesh=(8, 1, 1), microbatches=1, **sectio
     return from_dict(raw)
 
 
-@functools.lru_cache(maxsize=None)
+def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
+    """What a user writes in plain optax for `cfg`'s optimizer and param groups: optax's own
+    adamw / adam / sgd, one per group (its lr x lr_mult, its weight decay x wd_mult), by
+    `optax.multi_transform`. jzero's group-aware chain must train to the same numbers."""
+    o, lr = cfg.optimizer, lr_schedule(cfg)
+    abstract = model.abstract_params()
+    groups = param_groups(cfg, model, abstract)
+    if groups is None:
+        groups = jax.tree.map(lambda _: ParamGroup(), abstract)
+
+    def make(g: ParamGroup):
+        rate = lr if g.lr_mult == 1.0 else (lambda count: lr(count) * g.lr_mult)
+        if o.name == OptimizerName.ADAMW:
+            return optax.adamw(rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay * g.wd_mult)
+        if o.name == OptimizerName.ADAM:
+            return optax.adam(rate, b1=o.b1, b2=o.b2, eps=o.eps)
+        return optax.sgd(rate, momentum=o.b1 or None)
+
+    is_group = lambda g: isinstance(g, ParamGroup)  # noqa: E731
+    distinct = sorted(set(jax.tree.leaves(groups, is_leaf=is_group)))
+    labels = jax.tree.map(lambda g: str(distinct.index(g)), groups, is_leaf=is_group)
+    return optax.multi_transform({str(i): make(g) for i, g in enumerate(distinct)}, labels)
+
+
 def reference_run(cfg: Config, steps: int = STEPS):
     """Plain single-device optax on the same batches: (losses, grad norms, params per step).
 
-    Depends only on model, optimizer, data and seed, never on mesh or strategy.
+    Depends only on model, optimizer, data and seed, never on mesh, strategy, path or
+    microbatches, so one run serves every such variant of a config.
     """
+    train = dataclasses.replace(cfg.train, microbatches=1)
+    return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_run(cfg: Config, steps: int):
     model = GPTModel(cfg.model, seed=cfg.train.seed)
-    tx = inner_optimizer(cfg)
+    tx = plain_optax(cfg, model)
     device = jax.devices()[0]
     params = jax.jit(model.init, device=device)()
     opt_state = tx.init(params)
@@ -74,7 +106,7 @@ def run_steps(cfg: Config, steps: int = STEPS, devices=None):
     init = jax.device_get(state.params)
     losses, norms = [], []
     for i in range(steps):
-        state, m = run.step_fn(state, run.device_batch(i))
+        state, m = run.zero.step(state, run.device_batch(i))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return run, init, np.array(losses), np.array(norms), state

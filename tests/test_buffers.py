@@ -19,7 +19,7 @@ def test_range():
 
 
 def test_facts_worked_example():
-    # FACTS.md section 1: reversed placement, 64-aligned starts, one bucket padded to 128.
+    # docs/megatron.md, "The flat buffer": reversed placement, 64-aligned starts, one bucket padded to 128.
     lay = build_layout([2000, 5000, 3000], dp_size=4)
     assert isinstance(lay, Layout)
     assert lay.param_index_map == ((8064, 10064, 0), (3008, 8008, 0), (0, 3000, 0))
@@ -90,7 +90,6 @@ def test_high_nccl_busbw_padding():
     "kwargs",
     [
         dict(numels=[], dp_size=2),
-        dict(numels=[0], dp_size=2),
         dict(numels=[-3], dp_size=2),
         dict(numels=[2.5], dp_size=2),
         dict(numels=[True], dp_size=2),
@@ -104,6 +103,15 @@ def test_rejects_bad_inputs(kwargs):
         build_layout(**kwargs)
 
 
+def test_param_with_no_elements_is_laid_out_as_megatron_does():
+    # Reversed: 2000 at 0, the empty param at the next 64-aligned start, 3000 after it.
+    lay = build_layout([3000, 0, 2000], dp_size=4)
+    assert lay.param_index_map == ((2048, 5048, 0), (2048, 2048, 0), (0, 2000, 0))
+    assert lay.numel == 5120
+    assert all(1 not in bucket for r in range(4) for bucket in lay.owned(r))
+    assert sum(lay.owned_numel(r) for r in range(4)) == 5000
+
+
 def test_rejects_bad_rank():
     lay = build_layout([4], dp_size=2)
     with pytest.raises(ValueError):
@@ -113,7 +121,7 @@ def test_rejects_bad_rank():
 @st.composite
 def layouts(draw):
     n = draw(st.integers(1, 30))
-    numels = draw(st.lists(st.integers(1, 10_000), min_size=n, max_size=n))
+    numels = draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n))
     new_bucket = draw(
         st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n))
     )
@@ -156,8 +164,8 @@ def test_layout_invariants(case):
     for (s0, e0), (s1, _) in zip(lay.bucket_indices, lay.bucket_indices[1:]):
         assert e0 == s1
     for b, (s, e) in enumerate(lay.bucket_indices):
-        assert e > s and (e - s) % divisor == 0
         params = lay.bucket_params[b]
+        assert (e > s or all(numels[i] == 0 for i in params)) and (e - s) % divisor == 0
         assert params and list(params) == sorted(params, reverse=True)
         assert all(lay.param_index_map[i][2] == b for i in params)
         last_end = lay.param_index_map[params[-1]][1]
@@ -205,6 +213,9 @@ def test_layout_invariants(case):
         total_owned += lay.owned_numel(r)
     for i, ranges in pieces.items():
         ranges.sort(key=lambda x: x.start)
+        if numels[i] == 0:  # an empty param: laid out, owned by nobody
+            assert not ranges
+            continue
         assert ranges[0].start == 0 and ranges[-1].end == numels[i]
         for a, c in zip(ranges, ranges[1:]):
             assert a.end == c.start

@@ -13,21 +13,21 @@ from jzero.config import ConfigError
 from jzero.inspect.hlo import axes_of_groups, parse_collectives
 from jzero.train.loop import setup
 from jzero.train.report import per_device_bytes
-from jzero.zero.flat import check_elementwise, make_flat_plan
+from jzero.zero.probe import check_elementwise
 
 DP_AXES = {"dp_outer", "dp", "ep"}
 
 
 def _compiled_collectives(run):
     state = run.init_state()
-    text = run.step_fn.lower(state, run.device_batch(0)).compile().as_text()
+    text = run.zero.step.lower(state, run.device_batch(0)).compile().as_text()
     return [(c, set(axes_of_groups(c.replica_groups, run.mesh))) for c in parse_collectives(text)]
 
 
 def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
     cfg = tiny_config("optim_grads", (4, 1, 2), zero={"path": "flat", "bucket_size": 5000})
     run = setup(cfg)
-    fp = make_flat_plan(run.plan, 5000, False)
+    fp = run.zero.flat
     buffer_bytes = 4 * fp.layout.numel  # fp32 grads and params, tp-local
     cs = _compiled_collectives(run)
     rs = [c for c, axes in cs if c.kind == "reduce-scatter" and axes & DP_AXES]
@@ -43,7 +43,7 @@ def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
 def test_zero1_and_ddp_all_reduce_the_buffer():
     for strategy in ("optim", "no_shard"):
         run = setup(tiny_config(strategy, (8, 1, 1), zero={"path": "flat"}))
-        fp = make_flat_plan(run.plan, None, False)
+        fp = run.zero.flat
         cs = _compiled_collectives(run)
         dp_all_reduces = [c for c, axes in cs if c.kind == "all-reduce" and axes & DP_AXES]
         # fp32 bytes of the non-scalar arrays (XLA may combine the loss/norm scalars into the same op).
@@ -56,7 +56,7 @@ def test_zero1_and_ddp_all_reduce_the_buffer():
 def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes):
     cfg = tiny_config("optim_grads", (8, 1, 1), zero={"path": "flat", "bucket_size": 7000}, precision={"param_dtype": dtype})
     run = setup(cfg)
-    fp = make_flat_plan(run.plan, 7000, False)
+    fp = run.zero.flat
     owned = sum(fp.layout.shard_size(b) for b in range(len(fp.layout.bucket_indices)))  # incl. bucket padding
     state = run.init_state()
     per_param = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
@@ -67,13 +67,13 @@ def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes)
 def test_flat_refuses_non_elementwise_optimizers():
     cfg = tiny_config()
     run = setup(cfg)
-    abstract = run.model.abstract_params()
-    check_elementwise(run.inner, abstract)  # adamw is element-wise
+    plan = run.zero.plan
+    check_elementwise(run.zero.inner, plan, run.zero.groups)  # adamw with param groups is element-wise
     with pytest.raises(ConfigError, match="element-wise optimizer"):
-        check_elementwise(optax.lamb(1e-3), abstract)
+        check_elementwise(optax.lamb(1e-3), plan)
     masked = optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
     with pytest.raises(ConfigError, match="element-wise optimizer"):
-        check_elementwise(masked, abstract)
+        check_elementwise(masked, plan)
 
 
 def test_layout_cli_answers_who_owns_what(capsys):

@@ -45,7 +45,7 @@ def test_ring_wire_bytes():
     assert ring_wire_bytes("all-to-all", b, 8) == 7 / 8 * b
     assert ring_wire_bytes("collective-permute", b, 2) == b
     assert ring_wire_bytes("all-reduce", b, 1) == 0
-    # AllReduce = ReduceScatter + AllGather: ZeRO-1/2 move what DDP moves (FACTS 2).
+    # AllReduce = ReduceScatter + AllGather: ZeRO-1/2 move what DDP moves (docs/megatron.md, "Bytes on the wire").
     for n in (2, 4, 8, 64):
         ar = ring_wire_bytes("all-reduce", b, n)
         assert ar == ring_wire_bytes("reduce-scatter", b, n) + ring_wire_bytes("all-gather", b, n)
@@ -226,7 +226,7 @@ def test_shard_map_program_on_cpu():
 
 @needs_8
 def test_cpu_sharding_spec_reduces_with_all_reduce():
-    """FACTS 3: XLA:CPU lowers a dp-sharded sum to all-reduce (+ slice), not reduce-scatter."""
+    """docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU": XLA:CPU lowers a dp-sharded sum to all-reduce (+ slice), not reduce-scatter."""
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     s = NamedSharding(mesh, P("dp"))
     compiled = jax.jit(lambda x: x.sum(0), in_shardings=s, out_shardings=s).lower(
@@ -265,7 +265,7 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
 
 @pytest.mark.skipif(not cuda_plugin_available(), reason="CUDA PJRT plugin not installed: pip install -e .[gpu-aot]")
 def test_deviceless_h100_compiles_reduce_scatter():
-    """FACTS 3: on GPU the same dp-sharded sum is a real reduce-scatter, and bf16 stays bf16."""
+    """docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU": on GPU the same dp-sharded sum is a real reduce-scatter, and bf16 stays bf16."""
     mesh = gpu_mesh("h100", "1 x 1 x 8", (4, 2), ("dp", "tp"))
     assert len(mesh.devices.flat) == 8 and mesh.devices.flat[0].device_kind == TARGETS["h100"].device_kind
     s = NamedSharding(mesh, P("dp"))

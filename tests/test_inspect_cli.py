@@ -57,11 +57,10 @@ def test_target_choices_are_the_shipped_targets():
 def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     """Flat path on 8 CPU devices: the DP collectives move exactly Megatron's padded buffer."""
     from jzero.inspect.compile import setup_without_data
-    from jzero.zero.flat import make_flat_plan
 
     doc = hlo_doc(tmp_path, "--path", "flat", "--strategies", "no_shard,optim_grads")
     cfg = load_config(None, ["zero.path=flat", *TINY])
-    fp = make_flat_plan(setup_without_data(cfg, None).plan, None, False)
+    fp = setup_without_data(cfg, None).zero.flat
     buffer_bytes = 4 * fp.layout.bucket_indices[-1][1]  # fp32 grads and params, one bucket, padded
     d = 8
 
@@ -101,7 +100,7 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
 
 
 def test_spec_path_on_cpu_shows_all_reduce_for_zero2(tmp_path, capsys):
-    """FACTS 3, shown not hidden: XLA:CPU reduces ZeRO-2's grads with all-reduce + slice."""
+    """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-2's grads with all-reduce + slice."""
     doc = hlo_doc(tmp_path, "--strategies", "no_shard,optim_grads")
     z2 = doc["strategies"]["optim_grads"]
     assert not rows(doc, "optim_grads", "reduce-scatter")
@@ -110,7 +109,7 @@ def test_spec_path_on_cpu_shows_all_reduce_for_zero2(tmp_path, capsys):
     assert z2["dp_wire_bytes_by_kind"]["all-reduce"] == pytest.approx(ddp_wire, abs=256)
     assert z2["ratio"] == pytest.approx(1.5, rel=1e-3)  # (2 + 1) / (1 + 1) with fp32 params
     assert doc["strategies"]["no_shard"]["ratio"] == pytest.approx(1.0, rel=1e-3)
-    assert any("FACTS 3" in n for n in z2["notes"])
+    assert any("XLA:CPU has no reduce-scatter pass" in n for n in z2["notes"])
     out = capsys.readouterr().out
     assert "measured/theory 1.50" in out and "no reduce-scatter" in out
 
@@ -161,7 +160,7 @@ def test_gpu_target_without_plugin_says_what_to_install(monkeypatch, capsys):
 @needs_cuda
 def test_deviceless_h100_zero2_reduce_scatters(tmp_path):
     """8 H100s, spec path: ZeRO-2 reduce-scatters the grads (no full-gradient all-reduce) and,
-    with fp32 params, moves what DDP's all-reduce moves (FACTS 2)."""
+    with fp32 params, moves what DDP's all-reduce moves (docs/megatron.md, "Bytes on the wire")."""
     doc = hlo_doc(tmp_path, "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "no_shard,optim_grads")
     assert doc["device_kind"] == TARGETS["h100"].device_kind and doc["topology"] == "1 x 1 x 8"
     z2, ddp = doc["strategies"]["optim_grads"], doc["strategies"]["no_shard"]
@@ -182,6 +181,6 @@ def test_deviceless_h100_memory_fits(tmp_path):
     doc = json.loads(out.read_text())
     s = doc["strategies"]["optim_grads"]
     assert doc["memory_bytes"] == TARGETS["h100"].memory_bytes and doc["topology"] == "1 x 1 x 8" and s["fits"]
-    # FACTS 4: the arguments are 2P + 12P/d (bf16 params; fp32 main params and Adam sharded) + counters + batch.
+    # docs/xla.md, "Deviceless GPU compilation": the arguments are 2P + 12P/d (bf16 params; fp32 main params and Adam sharded) + counters + batch.
     p, d = doc["params"], 8
     assert s["compiled"]["argument"] - (2 * p + 12 * p // d) in range(4 + 8 + 32 * 17 * 4 // 8 + 1)

@@ -6,11 +6,12 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import MeshConfig, ShardingStrategy
+import pytest
+
+from jzero.config import MeshConfig, ShardingStrategy, ZeroConfig, ZeroPath
 from jzero.mesh import make_mesh
-from jzero.zero.optimizer import clip_by_global_norm, state_shardings, zero_optimizer
-from jzero.zero.step import batch_sharding, build_train_step, init_train_state, train_state_shardings
-from jzero.zero.strategies import make_plan
+from jzero.zero import build_zero
+from jzero.zero.update import clip_by_global_norm
 
 
 def init_params():
@@ -18,29 +19,35 @@ def init_params():
     return {"w1": jax.random.normal(k1, (12, 64)) * 0.3, "b1": jnp.zeros(64), "w2": jax.random.normal(k2, (64, 1)) * 0.1}
 
 
-def loss_fn(params, batch):  # batch [B, 13]: 12 features + target
+def loss_fn(params, batch, tp_axis=None):  # batch [B, 13]: 12 features + target
+    """w1 column-parallel, w2 row-parallel: on the flat path (tp-local params) the row-parallel
+    output is summed over `tp_axis`, as Megatron's row-parallel layer does."""
     x, y = batch[:, :12], batch[:, 12:]
     h = jnp.tanh(x @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - y) ** 2)
+    out = h @ params["w2"]
+    if tp_axis is not None:
+        out = jax.lax.psum(out, tp_axis)
+    return jnp.mean((out - y) ** 2)
 
 
-def test_user_model_with_any_optax_chain_matches_plain_optax():
+@pytest.mark.parametrize("path", [ZeroPath.SPEC, ZeroPath.FLAT], ids=lambda p: p.value)
+def test_user_model_with_any_optax_chain_matches_plain_optax(path):
     mesh = make_mesh(MeshConfig(dp=4, tp=2))
     tp_specs = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}
     abstract = jax.eval_shape(init_params)
-    plan = make_plan(mesh, ShardingStrategy.OPTIM_GRADS, abstract, tp_specs)
     tx = optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(0.1, momentum=0.9))
-    zopt = zero_optimizer(tx, plan, clip_grad=0.5)
-    shardings = train_state_shardings(plan, state_shardings(tx, plan, abstract))
-    state = init_train_state(init_params, zopt.init, shardings)
-    step = build_train_step(loss_fn, zopt, plan, shardings, microbatches=2)
-    assert state.opt_state.inner_state[1][0].trace["w1"].sharding.spec == P(("dp_outer", "dp", "ep"), "tp")
+    zero = ZeroConfig(strategy=ShardingStrategy.OPTIM_GRADS, path=path)
+    z = build_zero(loss_fn, tx, mesh, abstract, tp_specs, zero, clip_grad=0.5, microbatches=2)
+    state = z.init_state(init_params)
+    step = z.step
+    if path == ZeroPath.SPEC:
+        assert state.opt_state.inner_state[1][0].trace["w1"].sharding.spec == P(("dp_outer", "dp", "ep"), "tp")
 
     params, opt = init_params(), tx.init(init_params())
     rng = np.random.default_rng(0)
     for _ in range(4):
         batch = rng.standard_normal((16, 13)).astype(np.float32)
-        state, m = step(state, jax.device_put(batch, batch_sharding(mesh)))
+        state, m = step(state, jax.device_put(batch, z.batch_sharding))
         loss, g = jax.value_and_grad(loss_fn)(params, batch)
         g, _ = clip_by_global_norm(g, 0.5)
         u, opt = tx.update(g, opt, params)

@@ -9,7 +9,6 @@ from jzero.mesh import make_mesh
 from jzero.config import MeshConfig, ShardingStrategy
 from jzero.train.loop import setup
 from jzero.train.report import per_device_bytes
-from jzero.zero.step import build_grads
 from jzero.zero.strategies import choose_shard_dim, make_plan
 
 
@@ -26,29 +25,29 @@ def _shardings(tree):
 def ddp_bytes():
     run = setup(tiny_config("no_shard", (4, 1, 2)))
     state = run.init_state()
-    grads = build_grads(run.model.loss, run.plan)(state.params, run.device_batch(0))
+    grads = run.zero.grads(state.params, run.device_batch(0))
     return {"opt": _moment_bytes(state.opt_state), "grads": per_device_bytes(grads)}
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_state_bytes_are_one_over_dp(strategy, ddp_bytes):
     run = setup(tiny_config(strategy, (4, 1, 2)))
-    assert run.plan.replicated() == []  # vocab 257 still has a divisible dim (d_model)
+    assert run.zero.plan.replicated() == []  # vocab 257 still has a divisible dim (d_model)
     state = run.init_state()
     assert _moment_bytes(state.opt_state) * 4 == ddp_bytes["opt"]
-    grads = build_grads(run.model.loss, run.plan)(state.params, run.device_batch(0))
+    grads = run.zero.grads(state.params, run.device_batch(0))
     expected = ddp_bytes["grads"] // 4 if strategy == "optim_grads" else ddp_bytes["grads"]
     assert per_device_bytes(grads) == expected
-    assert _shardings(grads) == jax.tree.leaves(run.plan.grad_shardings())
+    assert _shardings(grads) == jax.tree.leaves(run.zero.plan.grad_shardings())
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_shardings_identical_after_init_and_update(strategy):
     run = setup(tiny_config(strategy, (2, 2, 2)))
     state = run.init_state()
-    expected = jax.tree.leaves(run.shardings)
+    expected = jax.tree.leaves(run.zero.shardings)
     assert _shardings(state) == expected
-    state, _ = run.step_fn(state, run.device_batch(0))
+    state, _ = run.zero.step(state, run.device_batch(0))
     assert _shardings(state) == expected
     dp_axes = ("dp_outer", "dp", "ep")
     for x in jax.tree.leaves(state.opt_state.inner_state):
@@ -68,7 +67,7 @@ def test_bf16_params_keep_sharded_fp32_main_params():
     n = sum(x.size for x in jax.tree.leaves(state.params))
     assert per_device_bytes(main) == 4 * n // 8
     assert per_device_bytes(state.params) == 2 * n
-    state, m = run.step_fn(state, run.device_batch(0))
+    state, m = run.zero.step(state, run.device_batch(0))
     assert jax.numpy.isfinite(m["loss"])
 
 

@@ -3,7 +3,7 @@ report its collectives (`comms`) or its bytes per device (`memory`), for the loc
 or a GPU pod compiled deviceless (`--target h100 --topology "4 x 1 x 8"`).
 
 Registered by `jzero.cli` through `add_parsers`; like every command, a handler reads the config
-first and imports JAX only after `_start_jax` (which sets the simulated device count).
+first and imports JAX only after `jzero.runtime.start_jax` (which sets the simulated device count).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def _write_json(path: str | None, doc: dict) -> None:
 def _report(args, module_name: str) -> int:
     """Compiles every strategy, prints the `comms` or `memory` report, writes --json."""
     cfg = load_config(args.config, args.set)
-    from jzero.cli import _start_jax
+    from jzero.runtime import start_jax
 
-    _start_jax(cfg)
+    start_jax(cfg.train.host_devices)
     import importlib
 
     module = importlib.import_module(f"jzero.inspect.{module_name}")

@@ -1,7 +1,7 @@
 """What each ZeRO stage sends over the wire: the compiled program's collectives beside the theory.
 
 Measured: every collective of the compiled step (`hlo.parse_collectives`), grouped by
-kind and mesh axes, with its per-device ring wire bytes (FACTS.md section 2). Counts
+kind and mesh axes, with its per-device ring wire bytes (docs/megatron.md, "Bytes on the wire"). Counts
 are static: a collective inside a loop body (the microbatch scan, a scan over layers)
 is one instruction however often the loop runs.
 
@@ -27,11 +27,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jzero.config import ShardingStrategy, ZeroPath, to_dict
+from jzero.config import ShardingStrategy, to_dict
 from jzero.inspect import hlo
 from jzero.inspect.compile import CPU, CompiledStep
 from jzero.mesh import DENSE_DP_AXES
-from jzero.train.report import tp_local_numel
 
 SCHEMA = "jzero.hlo/1"
 LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
@@ -42,9 +41,9 @@ def theory(c: CompiledStep) -> dict:
 
     Returns: {d, grad_bytes (G), param_bytes (P), formula, by_kind {kind: bytes}, wire_bytes}.
     """
-    cfg, plan = c.cfg, c.run.plan
+    cfg, plan = c.cfg, c.run.zero.plan
     d = cfg.dp_domain_size
-    numel = tp_local_numel(plan)
+    numel = plan.tp_local_numel()
     g = numel * jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
     p = numel * jnp.dtype(cfg.precision.param_dtype.value).itemsize
     one = (d - 1) / d
@@ -75,7 +74,7 @@ def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> lis
             "after (seen on XLA:CPU, which also promotes bf16 all-reduces to f32), twice the theory's bytes"
         )
     if th["by_kind"].get("reduce-scatter") and not dp_by_kind.get("reduce-scatter"):
-        why = "XLA:CPU has no reduce-scatter pass, FACTS 3" if c.target == CPU else "XLA kept the all-reduce"
+        why = "XLA:CPU has no reduce-scatter pass, docs/xla.md" if c.target == CPU else "XLA kept the all-reduce"
         notes.append(
             f"no reduce-scatter: the grads are all-reduced in full, then each rank slices its shard ({why}); "
             "--path flat or a GPU target shows the reduce-scatter"
@@ -95,12 +94,10 @@ def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> lis
             f"the grads are reduced in the micro-batch loop, {micro}x per step at run time; counts and bytes "
             "here, like the theory, are per instruction (one reduction)"
         )
-    if cfg.zero.path == ZeroPath.FLAT:
-        from jzero.zero.flat import make_flat_plan
-
-        fp = make_flat_plan(c.run.plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
-        size = fp.layout.bucket_indices[-1][1]
-        padding = size - tp_local_numel(c.run.plan)
+    fp = c.run.zero.flat
+    if fp is not None:
+        size = fp.layout.numel
+        padding = size - c.run.zero.plan.tp_local_numel()
         notes.append(
             f"flat buffer: {size} elements per tp rank in {len(fp.layout.bucket_indices)} bucket(s), {padding} of "
             "them padding (64-element param starts, bucket ends at multiples of lcm(d, 128)), which travels too"
@@ -151,7 +148,7 @@ def header(c: CompiledStep) -> dict:
         "path": cfg.zero.path.value,
         "mesh": dict(c.run.mesh.shape),
         "d": cfg.dp_domain_size,
-        "params": sum(t.numel for t in jax.tree.leaves(c.run.plan.tensors)),
+        "params": sum(t.numel for t in jax.tree.leaves(c.run.zero.plan.tensors)),
         "config": to_dict(cfg),
     }
 

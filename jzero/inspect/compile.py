@@ -3,7 +3,7 @@
 Nothing is allocated: the train state and the batch are `ShapeDtypeStruct`s carrying
 their shardings, and `jax.jit(step).lower(...).compile()` gives the program XLA would
 run (`as_text()` for the collectives, `memory_analysis()` for the bytes). For a GPU
-target the devices are compile-only (FACTS.md section 4): the CUDA compiler needs a
+target the devices are compile-only (docs/xla.md, "Deviceless GPU compilation"): the CUDA compiler needs a
 description of the card, not the card.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jzero.config import Config, ConfigError, ShardingStrategy, ZeroPath, validate
 from jzero.mesh import AXES
 from jzero.train import loop
-from jzero.zero.step import TrainState, batch_sharding
+from jzero.zero.state import TrainState
 
 CPU = "cpu"
 
@@ -29,7 +29,7 @@ class CompiledStep:
     """One config's train step, compiled for a target.
 
     Attributes:
-      run: what `loop.setup` built (mesh, plan, shardings, jitted step); its dataset is None.
+      run: what `loop.setup` built (model, `run.zero`: plan, shardings, jitted step); its dataset is None.
       compiled: the compiled step (`as_text()`, `memory_analysis()`); it cannot run on a GPU target.
       state: the abstract `TrainState`, leaves `ShapeDtypeStruct`s with their NamedShardings.
       target: "cpu" or a key of `targets.TARGETS`.
@@ -111,9 +111,9 @@ def setup_without_data(cfg: Config, devices: list | None) -> loop.Run:
 
 
 def abstract_state(run: loop.Run) -> TrainState:
-    """The train state as `ShapeDtypeStruct`s in `run.shardings` (traced, never allocated)."""
+    """The train state as `ShapeDtypeStruct`s in `run.zero.shardings` (traced, never allocated)."""
     shapes = jax.eval_shape(run.init_state)
-    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.shardings, shapes)
+    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.zero.shardings, shapes)
 
 
 def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) -> CompiledStep:
@@ -133,8 +133,8 @@ def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) ->
     run = setup_without_data(cfg, devices)
     state = abstract_state(run)
     batch = jax.ShapeDtypeStruct(
-        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sharding(run.mesh)
+        (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=run.zero.batch_sharding
     )
     t0 = time.perf_counter()
-    compiled = run.step_fn.lower(state, batch).compile()
+    compiled = run.zero.step.lower(state, batch).compile()
     return CompiledStep(run, compiled, state, target, topology, time.perf_counter() - t0)

@@ -10,7 +10,7 @@ the wrapper is not a collective opcode, so the collective is counted once, in it
 Counts are static: a collective inside a `while` body (a `lax.scan` over layers) is
 one instruction however many times the loop runs.
 
-Wire cost is the ring algorithm's bytes sent per device (FACTS.md section 2), for a
+Wire cost is the ring algorithm's bytes sent per device (docs/megatron.md, "Bytes on the wire"), for a
 full buffer of B bytes over a group of n ranks:
 
     all-reduce      2(n-1)/n * B      (= reduce-scatter + all-gather)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from jzero.zero.flat import FlatPlan
+from jzero.zero.flat_plan import FlatPlan
 
 
 def describe(fp: FlatPlan) -> dict:

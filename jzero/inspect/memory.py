@@ -10,7 +10,7 @@ Two views of one compiled step (`compile.compile_step`), both per device:
                        in grad_reduce_dtype (spec path), the grad buckets (flat path).
                        They live inside the step, so XLA may never materialise them whole:
                        compare `temp` below.
-  beside Megatron's formula (FACTS.md section 2, `report.formula_split`);
+  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`);
 - the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
   (the new state, aliased to the donated arguments), temp (activations, local grads,
   collective buffers) and the peak. XLA:GPU reports the peak of its schedule; XLA:CPU's
@@ -24,13 +24,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jzero.config import ZeroPath
 from jzero.inspect.comms import LABELS, count, header, human
 from jzero.inspect.compile import CPU, CompiledStep
-from jzero.mesh import TP_AXIS
 from jzero.train.report import formula_split
 
 SCHEMA = "jzero.memory/1"
@@ -45,21 +41,6 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def grad_structs(c: CompiledStep):
-    """The reduced grads as the step holds them, as sharded ShapeDtypeStructs."""
-    cfg, plan = c.cfg, c.run.plan
-    dtype = jnp.dtype(cfg.precision.grad_reduce_dtype.value)
-    if cfg.zero.path == ZeroPath.FLAT:
-        from jzero.zero.flat import make_flat_plan
-
-        fp = make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
-        sharding = NamedSharding(plan.mesh, P(TP_AXIS, fp.dp_axes if plan.shards_grads else None))
-        return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape in fp.bucket_shapes()]
-    return jax.tree.map(
-        lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s), plan.tensors, plan.grad_shardings()
-    )
-
-
 def state_bytes(c: CompiledStep) -> dict:
     """Per-device bytes of params, main params, optimizer moments and grads (module docstring)."""
     opt = c.state.opt_state
@@ -67,7 +48,7 @@ def state_bytes(c: CompiledStep) -> dict:
         "params": shard_bytes(c.state.params),
         "main_params": 0 if opt.main_params is None else shard_bytes(opt.main_params),
         "optimizer_moments": shard_bytes(opt.inner_state),
-        "grads": shard_bytes(grad_structs(c)),
+        "grads": shard_bytes(c.run.zero.reduced_grad_structs(jnp.dtype(c.cfg.precision.grad_reduce_dtype.value))),
     }
 
 

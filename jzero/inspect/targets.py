@@ -1,4 +1,4 @@
-"""GPU targets, for compiling a GPU pod's program on a machine with no GPU (FACTS.md section 4).
+"""GPU targets, for compiling a GPU pod's program on a machine with no GPU (docs/xla.md, "Deviceless GPU compilation").
 
 XLA's CUDA compiler needs only a description of the card (a `GpuTargetConfigProto`:
 SM count, compute capability, memory size, ...), not the card. With the CUDA PJRT

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jzero.config import Config, ZeroPath, to_dict
-from jzero.zero.flat import flat_to_model_space, make_flat_plan, model_space_to_flat
-from jzero.zero.optimizer import ZeroState, state_shardings
-from jzero.zero.step import TrainState
+from jzero.config import Config, to_dict
+from jzero.zero.state import TrainState, ZeroState
 
 
 class CheckpointError(RuntimeError):
@@ -81,24 +79,11 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
             item_names=("state", "meta"),
         )
-        cfg = run.cfg
-        self._flat = (
-            make_flat_plan(run.plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
-            if cfg.zero.path == ZeroPath.FLAT
-            else None
-        )
-        abstract = run.model.abstract_params()
-        self._model_opt_sh = state_shardings(run.inner, run.plan, abstract)  # per-param, sharded over DP
-        self._to_model = jax.jit(self._to_model_space, out_shardings=self._model_opt_sh)
-        self._from_model = jax.jit(self._from_model_space, out_shardings=run.shardings.opt_state)
+        zero = run.zero
+        self._to_model = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)
+        self._from_model = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)
 
-    # ------------------------------------------------------------ conversions
-
-    def _to_model_space(self, opt_state: ZeroState) -> ZeroState:
-        return opt_state if self._flat is None else flat_to_model_space(self._flat, self.run.inner, opt_state)
-
-    def _from_model_space(self, opt_state: ZeroState) -> ZeroState:
-        return opt_state if self._flat is None else model_space_to_flat(self._flat, self.run.inner, opt_state)
+    # ------------------------------------------------------------ model space
 
     def _model_state(self, state: TrainState) -> dict:
         opt = self._to_model(state.opt_state)
@@ -111,11 +96,13 @@ class Checkpointer:
         """The model-space target for this run: ShapeDtypeStructs in this run's shardings."""
         run = self.run
         abstract = jax.eval_shape(run.init_state)
-        opt = jax.eval_shape(self._to_model_space, abstract.opt_state)
+        opt = jax.eval_shape(run.zero.to_model_space, abstract.opt_state)
+        sh = run.zero.shardings
+        model_sh = run.zero.model_opt_shardings
         tree = {"params": abstract.params, "opt_state": opt.inner_state, "step": abstract.step}
-        shard = {"params": run.shardings.params, "opt_state": self._model_opt_sh.inner_state, "step": run.shardings.step}
+        shard = {"params": sh.params, "opt_state": model_sh.inner_state, "step": sh.step}
         if opt.main_params is not None:
-            tree["main_params"], shard["main_params"] = opt.main_params, self._model_opt_sh.main_params
+            tree["main_params"], shard["main_params"] = opt.main_params, model_sh.main_params
         return to_nested(
             jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard)
         )
@@ -168,7 +155,7 @@ class Checkpointer:
         nested = restored.state
         abstract = jax.eval_shape(self.run.init_state)
         main = from_nested(nested["main_params"], abstract.params) if "main_params" in nested else None
-        like_inner = jax.eval_shape(self._to_model_space, abstract.opt_state).inner_state
+        like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state
         inner = from_nested(nested["opt_state"], like_inner)
         opt = self._from_model(ZeroState(main, inner))
         params = from_nested(nested["params"], abstract.params)

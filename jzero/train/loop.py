@@ -7,7 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,21 +15,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jzero.config import Config, OptimizerName, ZeroPath
+from jzero.config import Config, OptimizerName
 from jzero.mesh import make_mesh
 from jzero.train.data import make_dataset
 from jzero.train.model import GPTModel
-from jzero.zero.flat import build_flat_train_step, check_elementwise, flat_state_shardings, make_flat_plan
-from jzero.zero.optimizer import state_shardings, zero_optimizer
-from jzero.zero.step import (
-    TrainState,
-    batch_sharding,
-    build_grads,
-    build_train_step,
-    init_train_state,
-    train_state_shardings,
-)
-from jzero.zero.strategies import ShardingPlan, make_plan
+from jzero.zero import Zero, build_zero, groups
+from jzero.zero.state import TrainState
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -45,15 +36,33 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
 
 
 def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The element-wise optax transformation the ZeRO wrapper shards (clipping lives in the wrapper)."""
+    """The element-wise optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
+
+    optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
+    weight decay reads each param's `wd_mult`, a last step its `lr_mult`.
+    """
     o, lr = cfg.optimizer, lr_schedule(cfg)
+    if o.name == OptimizerName.ADAMW:
+        return groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
     if o.name == OptimizerName.SGD:
-        return optax.sgd(lr, momentum=o.b1 or None)
-    if o.name == OptimizerName.ADAM:
-        return optax.adam(lr, b1=o.b1, b2=o.b2, eps=o.eps)
-    # Weight decay on every param (optax's default): a per-tensor mask (Megatron skips biases
-    # and norms) is not element-wise, so it could not run on the flat path's buffers.
-    return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+        direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
+    else:
+        direction = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+    return optax.chain(direction, optax.scale_by_learning_rate(lr), groups.scale_by_lr_mult())
+
+
+def param_groups(cfg: Config, model: GPTModel, abstract_params) -> Any:
+    """Megatron's param groups for the model: no weight decay for biases and 1-D params (unless
+    `optimizer.weight_decay_1d`), then `optimizer.param_groups`; None if they change nothing."""
+    o = cfg.optimizer
+    has_decay = o.name == OptimizerName.ADAMW
+    resolved = groups.param_groups(
+        abstract_params,
+        weight_decay_1d=o.weight_decay_1d or not has_decay,
+        rules=o.param_groups,
+        ndims=model.layer_ndims(abstract_params),
+    )
+    return None if groups.is_trivial(resolved) else resolved
 
 
 @dataclasses.dataclass
@@ -61,18 +70,16 @@ class Run:
     """Everything one training run is built from; see `setup`."""
 
     cfg: Config
-    mesh: Mesh
     model: GPTModel
-    plan: ShardingPlan
-    inner: optax.GradientTransformation
-    init_opt: Callable  # params -> optimizer state (under jit)
-    shardings: TrainState
-    step_fn: Callable  # jitted (state, batch) -> (state, metrics)
-    grads_fn: Callable  # (params, batch) -> reduced grads, as the step holds them
+    zero: Zero  # plan, shardings, init, step, grads: built once by jzero.zero.build_zero
     dataset: Any
 
+    @property
+    def mesh(self) -> Mesh:
+        return self.zero.mesh
+
     def init_state(self) -> TrainState:
-        return init_train_state(self.model.init, self.init_opt, self.shardings)
+        return self.zero.init_state(self.model.init)
 
     def device_batch(self, step: int) -> jax.Array:
         """The global batch of `step`, split over the data-parallel domain.
@@ -81,40 +88,30 @@ class Run:
         and places only the rows of its own devices, so this also holds on many hosts.
         """
         batch = self.dataset.batch(step)
-        return jax.make_array_from_callback(batch.shape, batch_sharding(self.mesh), lambda index: batch[index])
+        return jax.make_array_from_callback(batch.shape, self.zero.batch_sharding, lambda index: batch[index])
 
 
 def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
-    """Resolves the mesh, shardings and jitted step for `cfg` (raises ConfigError on misfit).
+    """Resolves the mesh, model and ZeRO run for `cfg` (raises ConfigError on misfit).
 
     with_data=False skips the dataset (compile-only tools never read it).
     """
     mesh = make_mesh(cfg.mesh, devices)
-    dtype = jnp.dtype(cfg.precision.param_dtype.value)
-    model = GPTModel(cfg.model, param_dtype=dtype, seed=cfg.train.seed)
+    model = GPTModel(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
     abstract = model.abstract_params()
-    plan = make_plan(mesh, cfg.zero.strategy, abstract, model.tp_specs(abstract))
-    inner = inner_optimizer(cfg)
-    reduce_dtype = jnp.dtype(cfg.precision.grad_reduce_dtype.value)
-    micro, clip = cfg.train.microbatches, cfg.optimizer.clip_grad
-    if cfg.zero.path == ZeroPath.FLAT:
-        fp = make_flat_plan(plan, cfg.zero.bucket_size, cfg.zero.pad_for_high_nccl_busbw)
-        check_elementwise(inner, abstract)
-        shardings = train_state_shardings(plan, flat_state_shardings(inner, fp, keep_main=dtype != jnp.float32))
-        flat = build_flat_train_step(
-            model.loss, inner, fp, shardings, microbatches=micro, grad_reduce_dtype=reduce_dtype, clip_grad=clip
-        )
-        init_opt, step_fn, grads_fn = flat
-    else:
-        optimizer = zero_optimizer(inner, plan, clip)
-        shardings = train_state_shardings(plan, state_shardings(inner, plan, abstract))
-        step_fn = build_train_step(
-            model.loss, optimizer, plan, shardings, microbatches=micro, grad_reduce_dtype=reduce_dtype
-        )
-        init_opt = optimizer.init
-        grads_fn = build_grads(model.loss, plan, microbatches=micro, grad_reduce_dtype=reduce_dtype)
-    dataset = make_dataset(cfg) if with_data else None
-    return Run(cfg, mesh, model, plan, inner, init_opt, shardings, step_fn, grads_fn, dataset)
+    zero = build_zero(
+        model.loss,
+        inner_optimizer(cfg),
+        mesh,
+        abstract,
+        model.tp_specs(abstract),
+        cfg.zero,
+        groups=param_groups(cfg, model, abstract),
+        clip_grad=cfg.optimizer.clip_grad,
+        microbatches=cfg.train.microbatches,
+        grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
+    )
+    return Run(cfg, model, zero, make_dataset(cfg) if with_data else None)
 
 
 def train(
@@ -169,7 +166,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     """
     cfg = run.cfg
     t0 = time.perf_counter()
-    step_fn = run.step_fn.lower(state, run.device_batch(start)).compile()  # compile outside the timings
+    step_fn = run.zero.step.lower(state, run.device_batch(start)).compile()  # compile outside the timings
     compile_s = time.perf_counter() - t0
     schedule = lr_schedule(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len

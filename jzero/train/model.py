@@ -245,6 +245,16 @@ class GPTModel:
             lambda path, x: tp_spec(jax.tree_util.keystr(path, simple=True, separator="/"), x.ndim), params
         )
 
+    def layer_ndims(self, params) -> dict:
+        """Per param, its dims per layer: with `scan_layers` the stacked [L] dim does not count
+        (a stacked norm scale [L, D] is a 1-D param of each layer, for weight decay)."""
+
+        def ndim(path, x):
+            stacked = self.cfg.scan_layers and jax.tree_util.keystr(path[:1], simple=True) == "blocks"
+            return x.ndim - stacked
+
+        return jax.tree_util.tree_map_with_path(ndim, params)
+
     def loss(self, params, tokens, tp_axis=None):
         logits = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

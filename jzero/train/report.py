@@ -1,5 +1,5 @@
 """The end-of-run summary: loss, and per-device bytes measured from the arrays' shards
-beside Megatron's formula and the DDP figure (FACTS 2).
+beside Megatron's formula and the DDP figure (docs/megatron.md, "Bytes per parameter").
 
 Formula, with P_local the tp-local parameter count and d the DP-domain size:
   params P_local * param_bytes; grads P_local * grad_bytes (/ d under optim_grads);
@@ -11,12 +11,11 @@ Formula, with P_local the tp-local parameter count and d the DP-domain size:
 from __future__ import annotations
 
 import collections
-import math
 
 import jax
 import jax.numpy as jnp
 
-from jzero.mesh import axes_size
+from jzero.mesh import DENSE_DP_AXES, axes_size
 
 
 def per_device_bytes(tree) -> int:
@@ -28,24 +27,16 @@ def per_device_bytes(tree) -> int:
     return max(by_device.values(), default=0)
 
 
-def _tp_local_numel(plan) -> int:
-    total = 0
-    for t in jax.tree.leaves(plan.tensors):
-        tp_factor = math.prod(axes_size(plan.mesh, (a,) if isinstance(a, str) else a) for a in t.tp_spec if a)
-        total += t.numel // tp_factor
-    return total
-
-
 def formula_bytes(run, d: int | None = None) -> dict:
     """Megatron's per-device bytes for params, grads and optimizer state; d=1 gives DDP."""
-    cfg, plan = run.cfg, run.plan
-    d = axes_size(plan.mesh, ("dp_outer", "dp", "ep")) if d is None else d
-    p = _tp_local_numel(plan)
+    cfg, plan = run.cfg, run.zero.plan
+    d = axes_size(plan.mesh, DENSE_DP_AXES) if d is None else d
+    p = plan.tp_local_numel()
     param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
     grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
     main_b = 0 if param_b == 4 else 4
     abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
-    inner = jax.eval_shape(run.inner.init, abstract)
+    inner = jax.eval_shape(run.zero.inner.init, abstract)
     total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))
     moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
     shard_state = d if plan.shards_state else 1
@@ -58,7 +49,7 @@ def formula_bytes(run, d: int | None = None) -> dict:
 
 
 def measured_bytes(run, state) -> dict:
-    grads = run.grads_fn(state.params, run.device_batch(0))
+    grads = run.zero.grads(state.params, run.device_batch(0))
     return {
         "params": per_device_bytes(state.params),
         "grads": per_device_bytes(grads),
@@ -86,7 +77,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
             "megatron_formula": formula_bytes(run),
             "ddp": formula_bytes(run, d=1),
         },
-        "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.plan.replicated()],
+        "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
     }
 
 
@@ -122,9 +113,10 @@ def formula_split(run, d: int | None = None) -> dict:
     Keys: params, main_params, optimizer_moments, grads (bytes per device); d=1 gives DDP.
     """
     f = formula_bytes(run, d)
-    d = axes_size(run.plan.mesh, ("dp_outer", "dp", "ep")) if d is None else d
+    plan = run.zero.plan
+    d = axes_size(plan.mesh, DENSE_DP_AXES) if d is None else d
     main_b = 0 if jnp.dtype(run.cfg.precision.param_dtype.value).itemsize == 4 else 4
-    main = _tp_local_numel(run.plan) * main_b / (d if run.plan.shards_state else 1)
+    main = plan.tp_local_numel() * main_b / (d if plan.shards_state else 1)
     return {
         "params": f["params"],
         "main_params": main,
@@ -132,7 +124,3 @@ def formula_split(run, d: int | None = None) -> dict:
         "grads": f["grads"],
     }
 
-
-def tp_local_numel(plan) -> int:
-    """Parameter count one tp rank holds (the P of Megatron's per-device formulas)."""
-    return _tp_local_numel(plan)

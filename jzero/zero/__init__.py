@@ -1,0 +1,9 @@
+"""ZeRO stages for any JAX model and optax transformation; `build_zero` is the entry.
+
+Nothing here knows the model, the CLI or files on disk.
+"""
+
+from jzero.zero.build import Zero, build_zero
+from jzero.zero.groups import ParamGroup, param_groups
+
+__all__ = ["ParamGroup", "Zero", "build_zero", "param_groups"]

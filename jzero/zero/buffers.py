@@ -182,7 +182,9 @@ def build_layout(
     """Lay params out in one flat buffer exactly as Megatron's distributed optimizer does.
 
     Arguments:
-        numels: Element count of each param, in registration (forward) order.
+        numels: Element count of each param, in registration (forward) order. A param
+            with no elements gets an aligned start and an empty range, as in Megatron,
+            and no rank owns any of it.
         dp_size: Data-parallel group size; every bucket is padded to split evenly.
         bucket_size: Close a bucket once it holds at least this many elements
             (``None``: one bucket for the whole buffer).
@@ -197,8 +199,8 @@ def build_layout(
     if not numels:
         raise ValueError("numels must be non-empty")
     for i, n in enumerate(numels):
-        if not _is_int(n) or n < 1:
-            raise ValueError(f"numels[{i}] must be a positive int, got {n!r}")
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"numels[{i}] must be an int >= 0, got {n!r}")
     if not _is_int(dp_size) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
     if bucket_size is not None and (not _is_int(bucket_size) or bucket_size < 1):

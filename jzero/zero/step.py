@@ -6,7 +6,7 @@ sharded one slice per rank and nothing is communicated). The reduction is then
 an explicit sum over that axis in `precision.grad_reduce_dtype`, whose output
 sharding is the strategy's grad sharding: XLA emits an all-reduce where grads are
 replicated and a reduce-scatter where they are sharded (on GPU; on CPU it emits
-all-reduce + dynamic-slice, FACTS 3).
+all-reduce + dynamic-slice: docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU").
 
 Accumulation over microbatches follows Megatron: DDP and ZeRO-1 accumulate the
 local grads and reduce once; ZeRO-2 reduces every microbatch into a sharded
@@ -15,36 +15,19 @@ accumulator, so no rank ever holds a full reduced gradient.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, axes_size
-from jzero.zero.optimizer import ZeroOptimizer, ZeroState
+from jzero.zero.batch import batch_sharding, split_batch
+from jzero.zero.optimizer import ZeroOptimizer
+from jzero.zero.state import LossFn, TrainState
 from jzero.zero.strategies import ShardingPlan
 
 PyTree = Any
-LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, local batch) -> mean loss
-
-
-class TrainState(NamedTuple):
-    """params: model copy, `plan.param_shardings()`; opt_state: `ZeroState`; step: scalar."""
-
-    params: PyTree
-    opt_state: ZeroState
-    step: jax.Array
-
-
-def _split_batch(batch: PyTree, n_dp: int, microbatches: int) -> PyTree:
-    """[B, ...] (B split over DP, rank-major) -> [microbatches, n_dp, B / (n_dp * microbatches), ...]."""
-
-    def split(x):
-        b = x.shape[0] // (n_dp * microbatches)
-        return jnp.swapaxes(x.reshape(n_dp, microbatches, b, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(split, batch)
 
 
 def reduced_grads(
@@ -67,7 +50,7 @@ def reduced_grads(
     scale = 1.0 / (n_dp * microbatches)  # Megatron's gradient_scaling_factor, applied before the reduce
     local_sh = plan.local_grad_shardings()
     grad_sh = plan.grad_shardings()
-    mbs = _split_batch(batch, n_dp, microbatches)
+    mbs = split_batch(batch, n_dp, microbatches)
     mbs = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs
     )
@@ -125,7 +108,7 @@ def build_train_step(
       loss_fn: (params, batch) -> scalar mean loss over the batch; pure, model-agnostic.
       optimizer: from `zero_optimizer`.
       plan: the run's shardings.
-      state_shardings: a TrainState of NamedShardings (see `train_state_shardings`).
+      state_shardings: a TrainState of NamedShardings.
       microbatches: gradient accumulation steps.
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
     Returns:
@@ -145,30 +128,6 @@ def build_train_step(
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
-
-
-def batch_sharding(mesh) -> NamedSharding:
-    """Batch leaves `[B, ...]`: B split over the dense DP domain."""
-    return NamedSharding(mesh, P(BATCH_AXES))
-
-
-def train_state_shardings(plan: ShardingPlan, opt_shardings: ZeroState) -> TrainState:
-    return TrainState(plan.param_shardings(), opt_shardings, NamedSharding(plan.mesh, P()))
-
-
-def init_train_state(
-    init_params: Callable[[], PyTree], init_opt: Callable[[PyTree], PyTree], state_shardings: TrainState
-) -> TrainState:
-    """Builds the state jitted straight into its shardings: nothing is materialised whole.
-
-    init_opt: params -> optimizer state, e.g. `ZeroOptimizer.init`.
-    """
-
-    def init():
-        params = init_params()
-        return TrainState(params, init_opt(params), jnp.zeros((), jnp.int32))
-
-    return jax.jit(init, out_shardings=state_shardings)()
 
 
 def build_grads(

@@ -20,6 +20,8 @@ dim stays replicated; `ShardingPlan.replicated()` lists it so nothing is silentl
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -121,9 +123,13 @@ class ShardingPlan:
         """Model params: tp-sharded, replicated over the DP domain."""
         return self._tree(lambda t: t.tp_spec)
 
+    def state_spec(self, t: TensorPlan) -> P:
+        """Spec of `t`'s fp32 main param and optimizer moments."""
+        return t.zero_spec if self.shards_state else t.tp_spec
+
     def state_shardings(self) -> PyTree:
         """fp32 main params and per-param optimizer state (moments)."""
-        return self._tree(lambda t: t.zero_spec if self.shards_state else t.tp_spec)
+        return self._tree(self.state_spec)
 
     def grad_shardings(self) -> PyTree:
         """Reduced gradients (and, under optim_grads, the accumulator)."""
@@ -132,6 +138,40 @@ class ShardingPlan:
     def local_grad_shardings(self) -> PyTree:
         """Per-rank unreduced grads stacked on a leading DP axis."""
         return self._tree(lambda t: t.local_grad_spec)
+
+    def param_of(self, state_path: tuple) -> tuple | None:
+        """The key path of the param an optimizer-state leaf at `state_path` belongs to, or None.
+
+        Optimizers keep per-param state in trees shaped like the params (`mu['blocks'][0]...`),
+        so the answer is the longest param key path that `state_path` ends with. Whether the
+        leaf is shaped like that param (Adam's moments) or not (adafactor's factored moments)
+        is for the caller to check.
+        """
+        paths = self._paths
+        for k in range(len(state_path)):
+            if state_path[k:] in paths:
+                return state_path[k:]
+        return None
+
+    def tensor(self, path: tuple) -> TensorPlan:
+        """The TensorPlan at a param key path."""
+        return self._paths[path][1]
+
+    def index(self, path: tuple) -> int:
+        """The position of the param at `path` in `jax.tree.leaves` order."""
+        return self._paths[path][0]
+
+    @functools.cached_property
+    def _paths(self) -> dict[tuple, tuple[int, TensorPlan]]:
+        leaves = jax.tree_util.tree_flatten_with_path(self.tensors)[0]
+        return {tuple(path): (i, t) for i, (path, t) in enumerate(leaves)}
+
+    def tp_local_numel(self) -> int:
+        """Parameters one tp rank holds (the P of Megatron's per-device formulas)."""
+        total = 0
+        for t in jax.tree.leaves(self.tensors):
+            total += t.numel // math.prod(_tp_size(self.mesh, e) for e in t.tp_spec if e is not None)
+        return total
 
     def replicated(self) -> list[tuple[str, int]]:
         """(name, fp32 bytes) of every tensor ZeRO leaves replicated over its DP domain."""

@@ -1,0 +1,35 @@
+"""How a global batch maps onto data-parallel ranks and microbatches (both paths).
+
+A batch leaf is `[B, ...]` with B split over the dense DP domain, rank-major: rank r
+holds rows `[r*B/n, (r+1)*B/n)`, and its microbatch m is the m-th contiguous block of those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzero.mesh import BATCH_AXES
+
+PyTree = Any
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch leaves `[B, ...]`: B split over the dense DP domain."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def split_batch(batch: PyTree, n_dp: int, microbatches: int) -> PyTree:
+    """`[B, ...]` -> `[microbatches, n_dp, B / (n_dp * microbatches), ...]`.
+
+    With n_dp = 1 (inside shard_map, on one rank's rows) it splits the rank's microbatches.
+    """
+
+    def split(x):
+        b = x.shape[0] // (n_dp * microbatches)
+        return jnp.swapaxes(x.reshape(n_dp, microbatches, b, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)

@@ -1,0 +1,143 @@
+"""The one entry to `jzero.zero`: `build_zero` resolves a ZeRO run once and returns a `Zero`.
+
+Everything a harness, a checkpointer or an inspection tool needs is built here, once:
+the per-tensor ShardingPlan, the flat buffers (flat path), the train state's shardings,
+the optimizer init, the jitted train step, the reduced grads, and the conversions of the
+optimizer state to and from model space (per parameter, for checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzero.config import ConfigError, ShardingStrategy, ZeroConfig, ZeroPath
+from jzero.zero.batch import batch_sharding
+from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
+from jzero.zero.flat_plan import FlatPlan, make_flat_plan
+from jzero.zero.flat_step import build_flat_step
+from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
+from jzero.zero.probe import check_groups_read
+from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
+from jzero.zero.step import build_grads, build_train_step
+from jzero.zero.strategies import ShardingPlan, make_plan
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero:
+    """One ZeRO run, resolved.
+
+    Attributes:
+      plan: the per-tensor shardings (`strategies.ShardingPlan`).
+      flat: Megatron's flat buffers on the flat path, None on the spec path.
+      inner: the wrapped optax transformation.
+      groups: per param its `groups.ParamGroup`, or None (no multipliers).
+      shardings: a TrainState of NamedShardings (params tp-sharded and replicated over DP;
+        optimizer state per the strategy and path; step replicated).
+      init_opt: params -> ZeroState, to call under jit (see `init_state`).
+      step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
+        split over the dense DP domain (`batch_sharding`); the state is donated.
+      grads: jitted (params, batch) -> the reduced grads as the step holds them (spec:
+        per param in `plan.grad_shardings()`; flat: one [tp, S_b] array per bucket).
+      model_opt_shardings: the NamedShardings of the optimizer state in model space (the
+        spec path's layout), where `to_model_space` puts it.
+    """
+
+    plan: ShardingPlan
+    flat: FlatPlan | None
+    inner: optax.GradientTransformation
+    groups: PyTree | None
+    shardings: TrainState
+    init_opt: Callable[[PyTree], ZeroState]
+    step: Callable
+    grads: Callable
+    model_opt_shardings: ZeroState
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.plan.mesh
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return batch_sharding(self.plan.mesh)
+
+    def init_state(self, init_params: Callable[[], PyTree]) -> TrainState:
+        """The train state from `init_params()` (traced), born in its shardings."""
+        return init_train_state(init_params, self.init_opt, self.shardings)
+
+    def to_model_space(self, opt_state: ZeroState) -> ZeroState:
+        """The optimizer state per parameter in global shapes (identity on the spec path); traceable."""
+        return opt_state if self.flat is None else flat_to_model_space(self.flat, self.inner, opt_state)
+
+    def from_model_space(self, opt_state: ZeroState) -> ZeroState:
+        """Inverse of `to_model_space`; traceable."""
+        return opt_state if self.flat is None else model_space_to_flat(self.flat, self.inner, opt_state)
+
+    def reduced_grad_structs(self, dtype) -> PyTree:
+        """The reduced grads as the step holds them, as sharded ShapeDtypeStructs in `dtype`."""
+        if self.flat is not None:
+            sh = NamedSharding(self.mesh, self.flat.bucket_spec(sharded=self.plan.shards_grads))
+            return [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s in self.flat.bucket_shapes()]
+        return jax.tree.map(
+            lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s), self.plan.tensors, self.plan.grad_shardings()
+        )
+
+
+def build_zero(
+    loss_fn: LossFn,
+    inner: optax.GradientTransformation,
+    mesh: Mesh,
+    abstract_params: PyTree,
+    tp_specs: PyTree,
+    zero: ZeroConfig = ZeroConfig(),
+    *,
+    is_expert: PyTree | None = None,
+    groups: PyTree | None = None,
+    clip_grad: float | None = None,
+    microbatches: int = 1,
+    grad_reduce_dtype=jnp.float32,
+) -> Zero:
+    """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
+
+    Arguments:
+      loss_fn: (params, batch) -> mean loss over the batch. The spec path calls it on global
+        params under jit; the flat path on tp-local params inside shard_map, where, if a
+        tp spec splits any param, it also gets `tp_axis=` the mesh's tp axis to sum its
+        row-parallel outputs over.
+      inner: any optax transformation on the spec path; an element-wise one on the flat
+        path (others raise ConfigError naming the transformation).
+      mesh: the (dp_outer, dp, ep, tp) mesh (`jzero.mesh.make_mesh`).
+      abstract_params: params or ShapeDtypeStructs (global shapes, model dtypes).
+      tp_specs: same structure, each param's tensor-parallel PartitionSpec (P() if none).
+      zero: strategy, path and flat-buffer options.
+      is_expert: same structure, True for expert params (default: all dense).
+      groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.
+      clip_grad: global-norm clipping across shards (Megatron's), None = off.
+      microbatches: gradient accumulation steps per `step`.
+      grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
+    """
+    if zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ConfigError("zero.strategy=optim_grads_params (ZeRO-3) is not yet supported")
+    plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert)
+    check_groups_read(inner, plan, groups)
+    model_opt_sh = opt_state_shardings(inner, plan)
+    if zero.path == ZeroPath.FLAT:
+        flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
+        built = build_flat_step(
+            loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
+            grad_reduce_dtype=grad_reduce_dtype,
+        )  # fmt: skip
+        return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
+    optimizer = zero_optimizer(inner, plan, clip_grad, groups)
+    shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
+    kwargs = dict(microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype)
+    step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
+    grads = build_grads(loss_fn, plan, **kwargs)
+    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh)

@@ -1,0 +1,224 @@
+"""The explicit path (`zero.path: flat`): Megatron's bucketed psum_scatter / all_gather in shard_map.
+
+Per bucket of the flat buffer (`flat_plan.py`):
+
+  ZeRO-2 (optim_grads): psum_scatter over the DP domain; rank r keeps its shard
+      `[r*S/d, (r+1)*S/d)` (every microbatch, so only the shard is ever accumulated).
+  ZeRO-1 (optim) / DDP (no_shard): psum of the whole bucket (after accumulation);
+      ZeRO-1 then slices the rank's shard.
+
+The inner optax transformation steps on the owned fp32 shards, with the param groups'
+multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards are cast
+to the param dtype and all_gathered per bucket back into the params. Only element-wise
+transformations mean the same on a shard as on the params: `probe.check_elementwise`
+refuses the others when the step is built.
+
+Shardings: params as the spec path (tp-sharded, replicated over DP); main params and
+every non-scalar optimizer-state leaf one [tp, S_b] array per bucket, `FlatPlan.bucket_spec()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero.config import ConfigError
+from jzero.mesh import BATCH_AXES, TP_AXIS
+from jzero.zero.batch import batch_sharding, split_batch
+from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
+from jzero.zero.groups import GroupValues, group_leaves
+from jzero.zero.probe import check_elementwise
+from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params
+from jzero.zero.update import clip_coefficient, model_copy, step_inner
+
+PyTree = Any
+
+
+class FlatStep(NamedTuple):
+    """shardings: the TrainState's NamedShardings; init_opt(params) -> ZeroState (call under jit);
+    step(state, batch) -> (state, metrics); grads(params, batch) -> reduced grad buckets."""
+
+    shardings: TrainState
+    init_opt: Callable
+    step: Callable
+    grads: Callable
+
+
+def opt_state_shardings(inner: optax.GradientTransformation, fp: FlatPlan) -> ZeroState:
+    """Main params and state leaves shaped like a bucket shard: [tp, S_b] per bucket; scalars replicated."""
+    mesh = fp.plan.mesh
+    bucket_sh = NamedSharding(mesh, fp.bucket_spec())
+    shard_sizes = {fp.shard_size(b) for b in range(fp.n_buckets)}
+    shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
+
+    def sharding(path, leaf):
+        if not leaf.shape:
+            return NamedSharding(mesh, P())
+        if len(leaf.shape) == 1 and leaf.shape[0] in shard_sizes:
+            return bucket_sh
+        raise ConfigError(
+            f"zero.path=flat: optimizer state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} is neither a "
+            "scalar nor shaped like a buffer shard; use zero.path=spec"
+        )
+
+    inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
+    keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors))
+    return ZeroState([bucket_sh] * fp.n_buckets if keep_main else None, inner_sh)
+
+
+def _specs(shardings: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def build_flat_step(
+    loss_fn: LossFn,
+    inner: optax.GradientTransformation,
+    fp: FlatPlan,
+    *,
+    clip_grad: float | None = None,
+    groups: PyTree | None = None,
+    microbatches: int = 1,
+    grad_reduce_dtype=jnp.float32,
+) -> FlatStep:
+    """The flat path's shardings, optimizer init, jitted step and grads.
+
+    Args:
+      loss_fn: (params, local batch) -> mean loss, on tp-local params; if a tp spec splits
+        any param it is called with `tp_axis=` the mesh's tp axis and must sum its
+        row-parallel outputs over it (Megatron's `g` operator).
+      inner: an element-wise optax transformation (checked here; others raise ConfigError).
+      groups: per param a `groups.ParamGroup`, or None.
+    """
+    mesh, plan = fp.plan.mesh, fp.plan
+    check_elementwise(inner, plan, groups)
+    treedef = jax.tree.structure(plan.tensors)
+    dtypes = [t.dtype for t in jax.tree.leaves(plan.tensors)]
+    param_specs = _specs(plan.param_shardings())
+    opt_sh = opt_state_shardings(inner, fp)
+    shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
+    opt_specs = _specs(opt_sh)
+    reduce_spec = fp.bucket_spec(sharded=plan.shards_grads)
+    scale = 1.0 / (fp.d * microbatches)
+    keep_main = opt_sh.main_params is not None
+    splits_tp = any(e is not None for t in jax.tree.leaves(plan.tensors) for e in t.tp_spec)
+    tp_kwargs = {"tp_axis": TP_AXIS} if splits_tp else {}
+    group_list = None if groups is None else group_leaves(groups)
+
+    def reduce(buckets):
+        if plan.shards_grads:
+            return [jax.lax.psum_scatter(g, fp.dp_axes, scatter_dimension=0, tiled=True) for g in buckets]
+        return [jax.lax.psum(g, fp.dp_axes) for g in buckets]
+
+    def local_grad_buckets(params, mb):
+        # Params are DP-invariant; differentiating them directly would make AD insert the
+        # DP all-reduce itself (the transpose of the implicit cast to varying). Casting them
+        # to DP-varying first gives this rank's local grads, which the buckets then reduce.
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, fp.dp_axes, to="varying"), params)
+        loss, g = jax.value_and_grad(loss_fn)(params, mb, **tp_kwargs)
+        g = [(x.astype(jnp.float32) * scale).astype(grad_reduce_dtype) for x in jax.tree.leaves(g)]
+        return loss, flatten(fp, g, grad_reduce_dtype)
+
+    def grads_body(params, batch):
+        """Reduced grad buckets: ZeRO-2 owned shards [1, S_b/d], else full [1, S_b]."""
+        mbs = jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))  # [M, b, ...] this rank's
+        # The first microbatch seeds the accumulator (so it has the carry's sharding type).
+        first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
+        loss, acc = local_grad_buckets(params, first)
+        if plan.shards_grads:  # reduce-scatter every microbatch: only the owned shard accumulates
+            acc = reduce(acc)
+
+        def body(acc, mb):
+            loss, g = local_grad_buckets(params, mb)
+            return [a + x for a, x in zip(acc, reduce(g) if plan.shards_grads else g)], loss
+
+        if microbatches > 1:
+            acc, losses = jax.lax.scan(body, acc, rest)
+            loss = (loss + losses.sum()) / microbatches
+        red = acc if plan.shards_grads else reduce(acc)  # DDP / ZeRO-1: reduce once
+        return jax.lax.pmean(loss, BATCH_AXES), [r[None] for r in red]
+
+    grads_fn = jax.shard_map(
+        grads_body,
+        mesh=mesh,
+        in_specs=(param_specs, P(BATCH_AXES)),
+        out_specs=(P(), [reduce_spec] * fp.n_buckets),
+    )
+
+    def on_shards(per_param, rank):
+        return [values_on_shard(fp, b, per_param, rank) for b in range(fp.n_buckets)]
+
+    def update_body(params, opt_state, grads):
+        rank = jax.lax.axis_index(fp.dp_axes)
+        grads = [g[0].astype(jnp.float32) for g in grads]
+        if not plan.shards_grads:
+            grads = [owned(fp, g, rank) for g in grads]
+        # Global norm: tp-split params summed over tp too, tp duplicates counted once.
+        split = on_shards(fp.tp_sharded, rank)
+        sq_split = sum(jnp.sum(g * g * w) for g, w in zip(grads, split))
+        sq_dup = sum(jnp.sum(g * g * (1 - w)) for g, w in zip(grads, split))
+        dp = fp.dp_axes if fp.sharded else ()  # no_shard: every rank holds all of it
+        norm = jnp.sqrt(jax.lax.psum(sq_split, (*dp, TP_AXIS)) + (jax.lax.psum(sq_dup, dp) if dp else sq_dup))
+        if clip_grad is not None:
+            coeff = clip_coefficient(norm, clip_grad)
+            grads = [g * coeff for g in grads]
+        if keep_main:
+            main = [m[0] for m in opt_state.main_params]
+        else:
+            main = [owned(fp, b, rank) for b in flatten(fp, jax.tree.leaves(params), jnp.float32)]
+        values = None
+        if group_list is not None:
+            values = GroupValues(
+                on_shards([g.lr_mult for g in group_list], rank), on_shards([g.wd_mult for g in group_list], rank)
+            )
+        inner_state = jax.tree.map(lambda x: x[0] if x.ndim else x, opt_state.inner_state)
+        main, inner_state = step_inner(inner, grads, inner_state, main, values)
+        # All-gather each updated bucket in the param dtype, back into the params.
+        local = model_copy(main, [dtypes[0]] * fp.n_buckets)
+        gathered = [jax.lax.all_gather(m, fp.dp_axes, tiled=True) if fp.sharded else m for m in local]
+        new_params = jax.tree.unflatten(treedef, unflatten(fp, gathered, dtypes))
+        inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner_state)
+        new_main = [m[None] for m in main] if keep_main else None
+        return new_params, ZeroState(new_main, inner_state), norm
+
+    # check_vma=False: the output params of tp-replicated tensors are identical on every tp
+    # rank by construction (their grads were summed over tp above), which vma typing
+    # cannot see through the concatenated buffer. Gradients are taken in grads_fn,
+    # which keeps check_vma on (docs/xla.md, "shard_map and check_vma").
+    update_fn = jax.shard_map(
+        update_body,
+        mesh=mesh,
+        in_specs=(param_specs, opt_specs, [reduce_spec] * fp.n_buckets),
+        out_specs=(param_specs, opt_specs, P()),
+        check_vma=False,
+    )
+
+    def init_body(params):
+        rank = jax.lax.axis_index(fp.dp_axes)
+        main = [owned(fp, b, rank) for b in flatten(fp, jax.tree.leaves(params), jnp.float32)]
+        inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner.init(main))
+        return ZeroState([m[None] for m in main] if keep_main else None, inner_state)
+
+    init_opt = jax.shard_map(init_body, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs, check_vma=False)
+
+    def step(state: TrainState, batch):
+        loss, grads = grads_fn(state.params, batch)
+        params, opt_state, norm = update_fn(state.params, state.opt_state, grads)
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm}
+
+    replicated = NamedSharding(mesh, P())
+    step_jit = jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    grads_jit = jax.jit(
+        grads_fn,
+        in_shardings=(shardings.params, batch_sharding(mesh)),
+        out_shardings=(replicated, [NamedSharding(mesh, reduce_spec)] * fp.n_buckets),
+    )
+    return FlatStep(shardings, init_opt, step_jit, lambda params, batch: grads_jit(params, batch)[1])

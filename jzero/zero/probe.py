@@ -1,0 +1,172 @@
+"""Build-time checks of the inner optax transformation, run on a miniature of the params.
+
+- `check_elementwise` (flat path): the flat path steps the inner transformation on each
+  rank's slices of flat buckets. Only element-wise transformations (Adam, SGD, Lion, ...,
+  with jzero's param groups) mean the same there; per-tensor ones (LAMB/LARS trust ratios,
+  adafactor's factored moments, masks, labels) and norms taken inside the chain would
+  train silently wrong (docs/xla.md, "Which optax transformations survive a flat buffer").
+- `check_groups_read` (both paths): param groups only act through the transformations
+  that read them (`groups.add_decayed_weights`, `groups.scale_by_lr_mult`); groups that
+  the inner transformation never reads are refused rather than silently ignored.
+
+The miniature keeps every param's rank and cuts each dim to at most 3.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import Literal
+
+from jzero.config import ConfigError
+from jzero.zero.groups import GroupValues, ParamGroup, group_leaves, per_param_values
+from jzero.zero.strategies import ShardingPlan, path_name
+from jzero.zero.update import inner_update
+
+PyTree = Any
+TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
+
+
+def transformation_name(tx: optax.GradientTransformation) -> str:
+    """`chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, scale)`: the optax functions
+    that built `tx`, read from its update function's closure (best effort, for error messages)."""
+
+    def name(fn, depth: int) -> str:
+        top = fn.__qualname__.split(".")[0]
+        parts = []
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else [value]
+            for item in items:
+                update = item if inspect.isfunction(item) else getattr(item, "update", None)
+                if depth and inspect.isfunction(update) and "update" in update.__qualname__:
+                    parts.append(name(update, depth - 1))
+        if top == "with_extra_args_support" and len(parts) == 1:
+            return parts[0]  # optax's wrapper for plain transformations: transparent
+        return f"{top}({', '.join(parts)})" if parts else top
+
+    return name(tx.update, 6)
+
+
+def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
+    """(params, two steps of grads): random fp32 arrays of each param's rank, dims cut to 3."""
+    rng = np.random.default_rng(seed)
+
+    def draw(t):
+        return jnp.asarray(rng.standard_normal([min(n, 3) for n in t.shape]), jnp.float32)
+
+    params = jax.tree.map(draw, plan.tensors)
+    return params, [jax.tree.map(draw, plan.tensors) for _ in range(2)]
+
+
+def _run(inner, params, grads, groups) -> list[jax.Array]:
+    """Steps `inner` from `params` through `grads`; per param leaf its updates, [steps, *shape]."""
+    state, updates = inner.init(params), []
+    for g in grads:
+        u, state = inner_update(inner, g, state, params, groups)
+        params = optax.apply_updates(params, u)
+        updates.append(jax.tree.leaves(u))
+    return [jnp.stack(us) for us in zip(*updates)]
+
+
+def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list[jax.Array]:
+    """`_run` as the flat path would: the params concatenated, cut into 2 buckets, each
+    bucket into 2 rank shards (cuts fall inside params), each rank stepping its own slices."""
+    leaves = jax.tree.leaves(params)
+    sizes = [x.size for x in leaves]
+
+    def cat(xs):
+        return jnp.concatenate([x.reshape(-1) for x in xs]) if xs else jnp.zeros(0)
+
+    n = sum(sizes)
+    cuts = [0, n // 4, n // 2, (3 * n) // 4 + 1, n]  # bucket 0 = [0, n/2), bucket 1 = [n/2, n)
+    shards_of = lambda v: [[v[cuts[r] : cuts[r + 1]], v[cuts[2 + r] : cuts[3 + r]]] for r in range(2)]  # noqa: E731
+    flat_params = shards_of(cat(leaves))
+    flat_grads = [shards_of(cat(jax.tree.leaves(g))) for g in grads]
+    rank_groups = [None, None]
+    if per_param is not None:
+        lr = shards_of(cat([jnp.full(s, g.lr_mult) for s, g in zip(sizes, per_param)]))
+        wd = shards_of(cat([jnp.full(s, g.wd_mult) for s, g in zip(sizes, per_param)]))
+        rank_groups = [GroupValues(lr[r], wd[r]) for r in range(2)]
+    out = [_run(inner, flat_params[r], [g[r] for g in flat_grads], rank_groups[r]) for r in range(2)]
+    flat = jnp.concatenate([out[0][0], out[1][0], out[0][1], out[1][1]], axis=1)  # [steps, n]
+    pieces = jnp.split(flat, np.cumsum(sizes)[:-1], axis=1)
+    return [x.reshape(len(grads), *p.shape) for x, p in zip(pieces, leaves)]
+
+
+def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None = None) -> None:
+    """Raises ConfigError unless `inner` updates a flat buffer's shards as it updates the params.
+
+    Compares two steps' updates (not the params, whose size would hide a difference in a
+    small update) per param against the per-param run.
+    """
+    params, grads = _miniature(plan)
+    values = None if groups is None else per_param_values(groups)
+    per_param = None if groups is None else group_leaves(groups)
+    what = transformation_name(inner)
+    use = (
+        "Use zero.path=spec (any optax transformation), or for per-param weight decay and lr multipliers "
+        "jzero's param groups (jzero.zero.groups)."
+    )
+    reference = jax.jit(lambda p, g: _run(inner, p, g, values))(params, grads)
+    try:
+        flat = jax.jit(lambda p, g: _on_slices(inner, p, g, per_param))(params, grads)
+    except Exception as e:  # a transformation built for the params' tree structure (labels, masks)
+        raise ConfigError(
+            f"zero.path=flat cannot run {what}: it fails on flat buffer shards ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}). {use}"
+        ) from None
+    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.tensors)[0]]
+    errors = {
+        n: float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30)) for n, a, b in zip(names, flat, reference)
+    }
+    worst = max(errors, key=errors.get, default=None)
+    if worst is not None and errors[worst] > TOLERANCE:
+        raise ConfigError(
+            f"zero.path=flat needs an element-wise optimizer, and {what} is not: on flat buffer shards its update "
+            f"differs by {errors[worst]:.1e} (relative, param {worst}); trust ratios, factored moments, per-tensor "
+            f"masks and norms inside the chain see one rank's slice of a buffer there. {use}"
+        )
+
+
+def _reads(fn, args: tuple, arg_index: int) -> bool:
+    """Whether any output of `fn(*args)` depends on `args[arg_index]` (a jaxpr reachability walk)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    n_before = sum(len(jax.tree.leaves(a)) for a in args[:arg_index])
+    n_arg = len(jax.tree.leaves(args[arg_index]))
+    marked = set(closed.jaxpr.invars[n_before : n_before + n_arg])
+    for eqn in closed.jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in marked for v in eqn.invars):
+            marked.update(eqn.outvars)
+    return any(not isinstance(v, Literal) and v in marked for v in closed.jaxpr.outvars)
+
+
+def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None) -> None:
+    """Raises ConfigError if `groups` sets a multiplier that `inner` never reads."""
+    if groups is None:
+        return
+    params, grads = _miniature(plan)
+    state = inner.init(params)
+    values = per_param_values(groups)
+    as_arrays = jax.tree.map(lambda v: jnp.float32(v), values)
+
+    def update(lr_mult, wd_mult):
+        return inner_update(inner, grads[0], state, params, GroupValues(lr_mult, wd_mult))[0]
+
+    where = {"lr_mult": "scale_by_lr_mult() after the learning rate", "wd_mult": "add_decayed_weights(weight_decay)"}
+    for i, field in enumerate(GroupValues._fields):
+        if all(v == 1.0 for v in jax.tree.leaves(getattr(values, field))):
+            continue
+        if not _reads(update, tuple(as_arrays), i):
+            raise ConfigError(
+                f"param groups set {field} but {transformation_name(inner)} never reads it: put "
+                f"jzero.zero.groups.{where[field]} in the chain (jzero.zero.groups.adamw has both), or pass no groups"
+            )

@@ -1,0 +1,59 @@
+"""The state both ZeRO paths train: `TrainState` (params, optimizer state, step) and `ZeroState`.
+
+The two paths lay the optimizer state out differently (per parameter on the spec path,
+one array per flat bucket on the flat path) but hold the same things, in these types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+LossFn = Callable[..., jax.Array]  # (params, local batch) -> mean loss; see `build.build_zero`
+
+
+class ZeroState(NamedTuple):
+    """The distributed optimizer's state, sharded over each param's data-parallel domain.
+
+    main_params: fp32 master copy, or None when the model params are fp32 (then, as in
+      Megatron, the model params are the main params and no second copy is kept).
+    inner_state: the wrapped optax transformation's state.
+    """
+
+    main_params: PyTree | None
+    inner_state: optax.OptState
+
+
+class TrainState(NamedTuple):
+    """params: the model copy (tp-sharded, replicated over DP); opt_state: `ZeroState`; step: scalar."""
+
+    params: PyTree
+    opt_state: ZeroState
+    step: jax.Array
+
+
+def keeps_main_params(abstract_params: PyTree) -> bool:
+    """Megatron keeps fp32 main params only when some model param is not fp32."""
+    return any(jnp.dtype(p.dtype) != jnp.float32 for p in jax.tree.leaves(abstract_params))
+
+
+def init_train_state(
+    init_params: Callable[[], PyTree], init_opt: Callable[[PyTree], ZeroState], shardings: TrainState
+) -> TrainState:
+    """Builds the state jitted straight into its shardings: nothing is materialised whole.
+
+    Arguments:
+      init_params: () -> params (global shapes), traced under jit.
+      init_opt: params -> `ZeroState` (the path's optimizer init).
+      shardings: a TrainState of NamedShardings.
+    """
+
+    def init():
+        params = init_params()
+        return TrainState(params, init_opt(params), jnp.zeros((), jnp.int32))
+
+    return jax.jit(init, out_shardings=shardings)()

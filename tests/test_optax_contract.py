@@ -1,0 +1,229 @@
+"""The library contract: jzero wraps any optax transformation (spec path) and every element-wise
+one plus param groups (flat path), on a user's own params and loss, training to the numbers of
+plain single-device optax; the flat path refuses the rest with one clear error.
+
+The problem is optax's own test problems (the parabola and Rosenbrock of optax's alias tests)
+beside a tree of odd-shaped leaves: ranks 0 to 3, sizes that 8 ranks do and do not divide, an
+empty leaf, and one large enough for adafactor to factor.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jzero.config import ConfigError, MeshConfig, ShardingStrategy, ZeroConfig, ZeroPath
+from jzero.mesh import make_mesh
+from jzero.zero import ParamGroup, build_zero, groups
+from jzero.zero.update import clip_by_global_norm
+
+STEPS = 10
+SHAPES = {"vec3": (3,), "mat": (16, 5), "cube": (8, 3, 7), "wide": (128, 136), "odd": (129, 130), "empty": (0, 4),
+          "scalar": ()}  # fmt: skip
+RNG = np.random.default_rng(0)
+TARGETS = {k: jnp.asarray(RNG.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+FINAL = jnp.array([1.0, -1.0, 1.0])
+
+
+def init_params():
+    params = {k: jnp.asarray(RNG.standard_normal(s) * 0.5, jnp.float32) for k, s in SHAPES.items()}
+    return {"parabola": jnp.array([-1.0, 10.0, 1.0]), "rosenbrock": jnp.array([0.0, 0.0]), "odd": params}
+
+
+PARAMS = init_params()
+
+
+def loss_fn(params, batch):  # batch [B, 1]: one scale per example
+    x = batch[:, 0]
+    parabola = jnp.sum(jnp.square(params["parabola"] - FINAL))
+    r = params["rosenbrock"]
+    rosenbrock = jnp.square(1.0 - r[0]) + 100.0 * jnp.square(r[1] - r[0] ** 2)
+    odd = sum(  # per element (p - x t)^2, averaged over the batch: O(1) grads on every leaf
+        jnp.sum(jnp.mean(jnp.square(p[None] - x.reshape(-1, *[1] * p.ndim) * TARGETS[k]), axis=0))
+        for k, p in params["odd"].items()
+    )
+    return jnp.mean(x) * (parabola + 1e-2 * rosenbrock) + odd
+
+
+def batches():
+    rng = np.random.default_rng(1)
+    return [rng.uniform(0.5, 1.5, (16, 1)).astype(np.float32) for _ in range(STEPS)]
+
+
+def decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _label(params):
+    return jax.tree.map(lambda p: "adam" if p.ndim >= 2 else "sgd", params)
+
+
+ELEMENTWISE = {
+    "sgd": lambda: optax.sgd(1e-2),
+    "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-3),
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+    "adagrad": lambda: optax.adagrad(1e-1),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+}
+PER_TENSOR = {
+    "lamb": lambda: optax.lamb(1e-2),
+    "masked_weight_decay": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+    "clip_inside_chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "multi_transform": lambda: optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2)}, _label),
+    "masked_pair": lambda: optax.chain(
+        optax.masked(optax.adam(1e-2), decay_mask), optax.masked(optax.sgd(1e-2), lambda p: jax.tree.map(
+            lambda m: not m, decay_mask(p)))
+    ),
+}
+
+
+TABLE = {**ELEMENTWISE, **PER_TENSOR}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, clip: float | None = None):
+    """Plain single-device optax: the params after STEPS steps of TABLE[name]."""
+    return plain_optax_run(TABLE[name](), clip)
+
+
+def plain_optax_run(tx, clip=None):
+
+    @jax.jit
+    def step(params, state, batch):
+        g, _ = clip_by_global_norm(jax.grad(loss_fn)(params, batch), clip)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    params, state = PARAMS, tx.init(PARAMS)
+    for batch in batches():
+        params, state = step(params, state, jnp.asarray(batch))
+    return params
+
+
+def run_jzero(tx, strategy, path, clip=None, groups_=None, mesh=(4, 2)):
+    mesh = make_mesh(MeshConfig(dp=mesh[0], ep=mesh[1]))
+    abstract = jax.eval_shape(lambda: PARAMS)
+    tp_specs = jax.tree.map(lambda _: P(), abstract)
+    z = build_zero(loss_fn, tx, mesh, abstract, tp_specs, ZeroConfig(strategy=strategy, path=path), clip_grad=clip,
+                   groups=groups_)  # fmt: skip
+    state = z.init_state(lambda: PARAMS)
+    for batch in batches():
+        state, _ = z.step(state, jax.device_put(batch, z.batch_sharding))
+    return z, state
+
+
+def assert_close(params, ref):
+    """Every leaf within 1e-6 relative of the reference, which moved every leaf visibly."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, a), b, b0 in zip(leaves, jax.tree.leaves(ref), jax.tree.leaves(PARAMS)):
+        if b.size:
+            a, b, b0 = (np.asarray(x, np.float64) for x in (a, b, b0))
+            assert np.linalg.norm(b - b0) > 1e-3 * np.linalg.norm(b0), f"{jax.tree_util.keystr(path)} barely moved"
+            err = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert err < 1e-6, f"{jax.tree_util.keystr(path)}: {err:.2e}"
+
+
+STRATEGIES = [ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
+@pytest.mark.parametrize("name", [*ELEMENTWISE, *PER_TENSOR])
+def test_spec_path_runs_any_optax_transformation(name, strategy):
+    clip = 1.0 if name == "adam" else None  # jzero's own clipping across shards, on one of them
+    _, state = run_jzero(TABLE[name](), strategy, ZeroPath.SPEC, clip)
+    assert_close(state.params, reference(name, clip))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_flat_path_runs_elementwise_transformations(name, strategy):
+    _, state = run_jzero(TABLE[name](), strategy, ZeroPath.FLAT)
+    assert_close(state.params, reference(name))
+
+
+@pytest.mark.parametrize("name", list(PER_TENSOR))
+def test_flat_path_refuses_the_rest_naming_it(name):
+    with pytest.raises(ConfigError) as e:
+        run_jzero(TABLE[name](), ShardingStrategy.OPTIM_GRADS, ZeroPath.FLAT)
+    msg = str(e.value)
+    assert "zero.path=flat" in msg and "zero.path=spec" in msg and "jzero.zero.groups" in msg
+    assert len(msg.splitlines()) == 1
+    named = {"lamb": "scale_by_trust_ratio", "masked_weight_decay": "masked(add_decayed_weights)",
+             "clip_inside_chain": "clip_by_global_norm", "adafactor": "scale_by_factored_rms",
+             "multi_transform": "partition(", "masked_pair": "masked("}  # fmt: skip
+    assert named[name] in msg
+
+
+def test_factored_state_gets_shardings_of_its_own():
+    """adafactor's v_row [128] and v_col [136] of the [128, 136] leaf: sharded over DP where 8 divides."""
+    z, state = run_jzero(optax.adafactor(1e-2), ShardingStrategy.OPTIM, ZeroPath.SPEC, mesh=(8, 1))
+    factored = state.opt_state.inner_state[0]
+    dp = ("dp_outer", "dp", "ep")
+    assert factored.v_row["odd"]["wide"].sharding.spec == P(dp)
+    assert factored.v_col["odd"]["wide"].sharding.spec == P(dp)
+    assert factored.v_row["odd"]["odd"].sharding.spec == P()  # 129 and 130: no dim divides 8
+    assert factored.v["odd"]["wide"].shape == (1,)  # factored: v is a placeholder
+    assert jax.tree.leaves(z.shardings.opt_state) == [x.sharding for x in jax.tree.leaves(state.opt_state)]
+
+
+GROUPS = jax.tree.map(lambda _: ParamGroup(), jax.eval_shape(lambda: PARAMS))
+GROUPS = {**GROUPS, "rosenbrock": ParamGroup(lr_mult=0.5), "odd": {
+    **GROUPS["odd"], "mat": ParamGroup(wd_mult=0.0), "cube": ParamGroup(lr_mult=2.0, wd_mult=0.5),
+    "vec3": ParamGroup(wd_mult=0.0)}}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def groups_reference():
+    """The groups above in plain optax: one optax.adamw per group (lr x lr_mult, wd x wd_mult)."""
+    is_group = lambda g: isinstance(g, ParamGroup)  # noqa: E731
+    distinct = sorted(set(jax.tree.leaves(GROUPS, is_leaf=is_group)))
+    labels = jax.tree.map(lambda g: str(distinct.index(g)), GROUPS, is_leaf=is_group)
+    lr = optax.linear_schedule(1e-2, 1e-3, STEPS)
+
+    def make(g):
+        rate = lr if g.lr_mult == 1 else (lambda c: lr(c) * g.lr_mult)
+        return optax.adamw(rate, weight_decay=0.1 * g.wd_mult)
+
+    return plain_optax_run(optax.multi_transform({str(i): make(g) for i, g in enumerate(distinct)}, labels))
+
+
+@pytest.mark.parametrize("path", [ZeroPath.SPEC, ZeroPath.FLAT], ids=lambda p: p.value)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
+def test_param_groups_train_like_plain_optax_on_both_paths(strategy, path):
+    """Megatron's param groups (no decay on some params, lr and wd multipliers) as jzero groups."""
+    tx = groups.adamw(optax.linear_schedule(1e-2, 1e-3, STEPS), weight_decay=0.1)
+    _, state = run_jzero(tx, strategy, path, groups_=GROUPS)
+    assert_close(state.params, groups_reference())
+
+
+def test_param_groups_an_optimizer_ignores_are_refused():
+    with pytest.raises(ConfigError, match="never reads it"):
+        run_jzero(optax.adamw(1e-2), ShardingStrategy.OPTIM_GRADS, ZeroPath.SPEC, groups_=GROUPS)
+    only_lr = jax.tree.map(lambda g: ParamGroup(lr_mult=g.lr_mult), GROUPS, is_leaf=lambda g: isinstance(g, ParamGroup))
+    with pytest.raises(ConfigError, match="wd_mult"):  # reads lr_mult, not wd_mult
+        tx = optax.chain(optax.adamw(1e-2), groups.scale_by_lr_mult())
+        run_jzero(tx, ShardingStrategy.OPTIM_GRADS, ZeroPath.SPEC, groups_=GROUPS)
+    run_jzero(optax.chain(optax.adam(1e-2), groups.scale_by_lr_mult()), ShardingStrategy.OPTIM, ZeroPath.SPEC,
+              groups_=only_lr)  # fmt: skip
+
+
+def test_groups_adamw_is_optax_adamw_without_groups():
+    g = jax.jit(jax.grad(loss_fn))(PARAMS, jnp.asarray(batches()[0]))
+
+    @jax.jit
+    def updates(g):
+        tx, ref = groups.adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1)
+        return tx.update(g, tx.init(PARAMS), PARAMS)[0], ref.update(g, ref.init(PARAMS), PARAMS)[0]
+
+    u, u_ref = updates(g)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(u_ref)):
+        np.testing.assert_array_equal(a, b)
