@@ -40,6 +40,10 @@ def test_overrides_are_typed():
         (["data.kind=text", "model.vocab_size=100"], "model.vocab_size=100 must be >= 256"),
         (["data.path=/nonexistent/dir"], "data.path='/nonexistent/dir' is not a directory"),
         (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+        (["optimizer.param_groups=[{pattern: '('}]"], "optimizer.param_groups[0].pattern='(' is not a regular"),
+        (["optimizer.param_groups=[{lr_mult: 2}]"], "optimizer.param_groups[0].pattern is required"),
+        (["optimizer.param_groups=[{pattern: a, lr_mult: -1}]"], "optimizer.param_groups[0].lr_mult=-1.0 must be >= 0"),
+        (["optimizer.name=sgd", "optimizer.param_groups=[{pattern: a, wd_mult: 0}]"], "sgd has no weight decay"),
     ],
 )
 def test_bad_input_is_one_clear_line(overrides, needle, capsys, tmp_path):

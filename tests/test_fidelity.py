@@ -56,3 +56,11 @@ def test_dp_not_a_power_of_two(strategy, mesh, microbatches, path):
 def test_flat_multi_bucket_matches():
     cfg = tiny_config("optim_grads", (4, 1, 2), 2, zero={"path": "flat", "bucket_size": 5000})
     assert_matches_reference(cfg)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_param_group_rules_match(path):
+    """Megatron's param groups with per-name rules: plain optax runs one optax.adamw per group."""
+    rules = [{"pattern": "tok_emb", "wd_mult": 0.0}, {"pattern": "mlp", "lr_mult": 0.5}, {"pattern": "ln1", "wd_mult": 2.0}]
+    optimizer = {"lr": 1e-2, "warmup_steps": 2, "param_groups": rules}
+    assert_matches_reference(tiny_config("optim_grads", (4, 1, 2), 1, optimizer=optimizer, zero={"path": path}))

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+from jzero.runtime import start_jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # CPU devices and deviceless GPUs, even on a GPU host
+start_jax(host_devices=8)
 
 from jzero.config import load_config  # noqa: E402
 from jzero.inspect import comms  # noqa: E402
@@ -78,7 +78,7 @@ def plot(results: dict, out: Path) -> None:
         ax.set_title(names[0].split(",")[0])
         ax.set_ylim(0, 1.25 * top)
         ax.legend(fontsize=7, loc="upper center", ncol=4)
-    fig.suptitle("Compiled collectives per ZeRO stage (ring bytes; black: theory of FACTS 2)")
+    fig.suptitle("Compiled collectives per ZeRO stage (ring bytes; black: theory, docs/megatron.md)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

@@ -1,9 +1,10 @@
 """LLaMA-2 bytes per device vs data-parallel size, per ZeRO stage: compiled program vs formula,
-and the seed document's memory tables next to what the compiled programs say.
+and the seed's memory tables (the design document jzero started from; quoted below) next to
+what the compiled programs say.
 
     python experiments/memory_vs_dp/run.py [--replot]
 
-Everything is compiled deviceless for H100s (FACTS.md section 4); nothing runs. Writes
+Everything is compiled deviceless for H100s (docs/xla.md, "Deviceless GPU compilation"); nothing runs. Writes
 `result.json`, `tables.md` (the tables of the README) and `memory_vs_dp.png`. About 7
 minutes on 2 CPU cores; needs `pip install -e .[experiments,gpu-aot]`. `--replot` redraws the
 tables and the plot from `result.json` without compiling.
@@ -15,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+from jzero.runtime import start_jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # CPU devices and deviceless GPUs, even on a GPU host
+start_jax(host_devices=8)
 
 from jzero.config import load_config  # noqa: E402
 from jzero.inspect import memory  # noqa: E402
@@ -34,7 +35,7 @@ MICROBATCHES = (1, 8)  # one micro-batch per step, or 8 accumulated (where ZeRO-
 H100 = TARGETS["h100"].memory_bytes
 GB = 1e9  # the seed's unit
 
-# /work/shared/seeds/000_18363e9329322d6d.txt, "Memory Savings by Model Size" (H100 80GB, "FP16", Adam):
+# Quoted from the seed's "Performance Analysis", "Memory Savings by Model Size" (H100 80GB, "FP16", Adam):
 # (model, dp, strategy, params, grads, optimizer states, total GB, savings / verdict)
 SEED_SAVINGS = [
     ("7b", 1, "no_shard", 14, 14, 84, 112, "-"),
