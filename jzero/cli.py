@@ -55,7 +55,7 @@ def _cmd_layout(args) -> int:
     import json
 
     cfg = load_config(args.config, args.set)
-    cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the layout is the flat path's
+    cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the flat path's layout
     _start(cfg)
     from jzero.inspect.layout import describe, format_layout
     from jzero.train.loop import setup
@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def with_config(sp):
         sp.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny GPT)")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim")
+        sp.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim"
+        )
 
     t = sub.add_parser("train", help="train a GPT with a ZeRO strategy")
     with_config(t)
@@ -83,9 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", nargs="?", const="", metavar="DIR",
         help="continue from the newest complete checkpoint in DIR (default: checkpoint.dir), on this config's mesh",
     )
-    t.add_argument("--resume-fallback", action="store_true", help="if the newest checkpoint is unreadable, use the previous one")
+    t.add_argument(
+        "--resume-fallback", action="store_true", help="if the newest checkpoint is unreadable, use the previous one"
+    )
     dist = t.add_argument_group("multi-process (one process per host; host_devices = devices per process)")
-    dist.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() with cluster auto-detection")
+    dist.add_argument(
+        "--distributed", action="store_true", help="jax.distributed.initialize() with cluster auto-detection"
+    )
     dist.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address (process 0 listens there)")
     dist.add_argument("--num-processes", type=int)
     dist.add_argument("--process-id", type=int)

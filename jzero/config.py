@@ -322,7 +322,9 @@ def to_dict(cfg: Config) -> dict:
         return v
 
     return {
-        f.name: {_yaml_key(g): plain(getattr(getattr(cfg, f.name), g.name)) for g in dataclasses.fields(getattr(cfg, f.name))}
+        f.name: {
+            _yaml_key(g): plain(getattr(getattr(cfg, f.name), g.name)) for g in dataclasses.fields(getattr(cfg, f.name))
+        }
         for f in dataclasses.fields(cfg)
     }
 
@@ -382,7 +384,9 @@ def validate(cfg: Config) -> None:
         if m.n_kv_heads % mesh.tp:
             raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
     if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}")
+        raise ConfigError(
+            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
+        )
     split = cfg.dp_domain_size * t.microbatches
     if t.global_batch % split:
         raise ConfigError(

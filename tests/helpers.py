@@ -68,7 +68,7 @@ def reference_run(cfg: Config, steps: int = STEPS):
     return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_run(cfg: Config, steps: int):
     model = GPTModel(cfg.model, seed=cfg.train.seed)
     tx = plain_optax(cfg, model)

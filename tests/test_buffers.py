@@ -161,7 +161,7 @@ def test_layout_invariants(case):
     # Buckets: contiguous, cover the buffer, padded to the divisor.
     assert lay.bucket_indices[0][0] == 0
     assert lay.bucket_indices[-1][1] == lay.numel
-    for (s0, e0), (s1, _) in zip(lay.bucket_indices, lay.bucket_indices[1:]):
+    for (_s0, e0), (s1, _) in zip(lay.bucket_indices, lay.bucket_indices[1:]):
         assert e0 == s1
     for b, (s, e) in enumerate(lay.bucket_indices):
         params = lay.bucket_params[b]

@@ -35,7 +35,9 @@ def train(out, *extra):
 
 def cli(*args, timeout=300):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
 
 def test_shape_mismatch_lists_the_arrays(base, capsys, tmp_path):
     root, _ = base
-    code = main(["train", "--out", str(tmp_path), *TINY, *sets(train__steps=STEPS, model__d_ff=128), "--resume", str(root / "ck")])
+    args = [*TINY, *sets(train__steps=STEPS, model__d_ff=128), "--resume", str(root / "ck")]
+    code = main(["train", "--out", str(tmp_path), *args])
     assert code == 2
     err = capsys.readouterr().err
     assert "does not fit the model" in err and "blocks/0/mlp/fc1/kernel: checkpoint [32, 64] vs model [32, 128]" in err
@@ -104,9 +107,12 @@ def test_corrupted_checkpoint_names_the_step_and_falls_back_only_if_asked(base, 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     ck = tmp_path / "ck"
-    args = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=100000, checkpoint__dir=ck, checkpoint__every=1)]
+    args = ["train", "--out", str(tmp_path / "o"), *TINY]
+    args += sets(train__steps=100000, checkpoint__dir=ck, checkpoint__every=1)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jzero.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len([p for p in ck.glob("*") if p.name.isdigit()]) < 3:

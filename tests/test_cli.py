@@ -19,7 +19,8 @@ def test_default_yaml_is_the_embedded_default():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["zero.strategy=optim", "optimizer.lr=1e-3", "optimizer.clip_grad=null", "mesh.dp=4", "mesh.tp=2"])
+    overrides = ["zero.strategy=optim", "optimizer.lr=1e-3", "optimizer.clip_grad=null", "mesh.dp=4", "mesh.tp=2"]
+    cfg = load_config(None, overrides)
     assert cfg.zero.strategy.value == "optim" and cfg.optimizer.lr == 1e-3 and cfg.optimizer.clip_grad is None
 
 
@@ -72,7 +73,8 @@ def test_cli_process_exit_code_and_no_traceback():
 
 
 def test_train_writes_metrics_and_summary(tmp_path, capsys):
-    argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=4", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
+    argv = ["train", "--out", str(tmp_path), "--quiet"]
+    argv += ["--set", "train.steps=4", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
     assert main(argv + TINY) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

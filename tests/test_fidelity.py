@@ -27,7 +27,7 @@ def assert_matches_reference(cfg, devices=None):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("microbatches", [1, 2])
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp%d-ep%d-tp%d" % m)
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp{}-ep{}-tp{}".format(*m))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_matches_single_device_optax(strategy, mesh, microbatches, path):
     assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero={"path": path}))
@@ -35,7 +35,8 @@ def test_matches_single_device_optax(strategy, mesh, microbatches, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_tied_embeddings_match(path):
-    assert_matches_reference(tiny_config("optim_grads", (4, 1, 2), 2, model={"tie_embeddings": True}, zero={"path": path}))
+    cfg = tiny_config("optim_grads", (4, 1, 2), 2, model={"tie_embeddings": True}, zero={"path": path})
+    assert_matches_reference(cfg)
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,10 @@ def test_flat_multi_bucket_matches():
 @pytest.mark.parametrize("path", PATHS)
 def test_param_group_rules_match(path):
     """Megatron's param groups with per-name rules: plain optax runs one optax.adamw per group."""
-    rules = [{"pattern": "tok_emb", "wd_mult": 0.0}, {"pattern": "mlp", "lr_mult": 0.5}, {"pattern": "ln1", "wd_mult": 2.0}]
+    rules = [
+        {"pattern": "tok_emb", "wd_mult": 0.0},
+        {"pattern": "mlp", "lr_mult": 0.5},
+        {"pattern": "ln1", "wd_mult": 2.0},
+    ]
     optimizer = {"lr": 1e-2, "warmup_steps": 2, "param_groups": rules}
     assert_matches_reference(tiny_config("optim_grads", (4, 1, 2), 1, optimizer=optimizer, zero={"path": path}))

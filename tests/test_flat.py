@@ -54,7 +54,8 @@ def test_zero1_and_ddp_all_reduce_the_buffer():
 
 @pytest.mark.parametrize("dtype, main_bytes", [("float32", 0), ("bfloat16", 4)])
 def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes):
-    cfg = tiny_config("optim_grads", (8, 1, 1), zero={"path": "flat", "bucket_size": 7000}, precision={"param_dtype": dtype})
+    zero = {"path": "flat", "bucket_size": 7000}
+    cfg = tiny_config("optim_grads", (8, 1, 1), zero=zero, precision={"param_dtype": dtype})
     run = setup(cfg)
     fp = run.zero.flat
     owned = sum(fp.layout.shard_size(b) for b in range(len(fp.layout.bucket_indices)))  # incl. bucket padding
@@ -77,7 +78,8 @@ def test_flat_refuses_non_elementwise_optimizers():
 
 
 def test_layout_cli_answers_who_owns_what(capsys):
-    argv = ["layout", "--set", "mesh.dp=4", "--set", "mesh.tp=2", "--set", "zero.bucket_size=100000", "--set", "model.n_layers=2"]
+    argv = ["layout", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
+    argv += ["--set", "zero.bucket_size=100000", "--set", "model.n_layers=2"]
     assert main(argv + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["buffer"]["dp_size"] == 4 and d["buffer"]["tp_size"] == 2

@@ -20,12 +20,17 @@ def test_megatron_defaults_no_decay_for_biases_and_1d_params():
     g = resolve(params)
     assert g["kernel"] == ParamGroup(1.0, 1.0)
     assert g["bias"] == g["scale"] == g["gain"] == g["stacked_bias"] == ParamGroup(1.0, 0.0)  # name ends in bias
-    assert all(x == ParamGroup() for x in jax.tree.leaves(resolve(params, weight_decay_1d=True), is_leaf=lambda x: isinstance(x, ParamGroup)))
+    decay_all = resolve(params, weight_decay_1d=True)
+    assert all(x == ParamGroup() for x in jax.tree.leaves(decay_all, is_leaf=lambda x: isinstance(x, ParamGroup)))
 
 
 def test_rules_set_only_what_they_give_and_later_rules_win():
     params = {"emb": jax.ShapeDtypeStruct((10, 4), jnp.float32), "blocks": _abstract(kernel=(4, 4), bias=(4,))}
-    rules = [ParamGroupRule("emb", wd_mult=0.0), ParamGroupRule("blocks/", lr_mult=0.5), ParamGroupRule("bias$", wd_mult=2.0)]
+    rules = [
+        ParamGroupRule("emb", wd_mult=0.0),
+        ParamGroupRule("blocks/", lr_mult=0.5),
+        ParamGroupRule("bias$", wd_mult=2.0),
+    ]
     g = resolve(params, rules=rules)
     assert g["emb"] == ParamGroup(1.0, 0.0)
     assert g["blocks"]["kernel"] == ParamGroup(0.5, 1.0)

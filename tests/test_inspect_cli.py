@@ -64,7 +64,7 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     buffer_bytes = 4 * fp.layout.bucket_indices[-1][1]  # fp32 grads and params, one bucket, padded
     d = 8
 
-    # Schema: what `--json` promises (README).
+    # Schema: what `--json` promises (docs/inspect.md).
     assert doc["schema"] == "jzero.hlo/1" and doc["path"] == "flat" and doc["d"] == d
     assert {"target", "topology", "device_kind", "n_devices", "mesh", "params", "config", "strategies"} <= set(doc)
     for s in doc["strategies"].values():
@@ -100,7 +100,8 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
 
 
 def test_spec_path_on_cpu_shows_all_reduce_for_zero2(tmp_path, capsys):
-    """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-2's grads with all-reduce + slice."""
+    """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-2's grads
+    with all-reduce + slice."""
     doc = hlo_doc(tmp_path, "--strategies", "no_shard,optim_grads")
     z2 = doc["strategies"]["optim_grads"]
     assert not rows(doc, "optim_grads", "reduce-scatter")
@@ -181,6 +182,7 @@ def test_deviceless_h100_memory_fits(tmp_path):
     doc = json.loads(out.read_text())
     s = doc["strategies"]["optim_grads"]
     assert doc["memory_bytes"] == TARGETS["h100"].memory_bytes and doc["topology"] == "1 x 1 x 8" and s["fits"]
-    # docs/xla.md, "Deviceless GPU compilation": the arguments are 2P + 12P/d (bf16 params; fp32 main params and Adam sharded) + counters + batch.
+    # docs/xla.md, "Deviceless GPU compilation": the arguments are 2P + 12P/d (bf16 params; fp32 main
+    # params and Adam sharded) + counters + batch.
     p, d = doc["params"], 8
     assert s["compiled"]["argument"] - (2 * p + 12 * p // d) in range(4 + 8 + 32 * 17 * 4 // 8 + 1)

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_config
 from jax.sharding import PartitionSpec as P
 from test_fidelity import assert_matches_reference
 
+from helpers import tiny_config
 from jzero.config import ConfigError, ModelConfig, PosKind, load_config
 from jzero.train.model import Attention, GPTModel
 

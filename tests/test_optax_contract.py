@@ -89,7 +89,7 @@ PER_TENSOR = {
 TABLE = {**ELEMENTWISE, **PER_TENSOR}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name: str, clip: float | None = None):
     """Plain single-device optax: the params after STEPS steps of TABLE[name]."""
     return plain_optax_run(TABLE[name](), clip)
@@ -181,7 +181,7 @@ GROUPS = {**GROUPS, "rosenbrock": ParamGroup(lr_mult=0.5), "odd": {
     "vec3": ParamGroup(wd_mult=0.0)}}  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def groups_reference():
     """The groups above in plain optax: one optax.adamw per group (lr x lr_mult, wd x wd_mult)."""
     is_group = lambda g: isinstance(g, ParamGroup)  # noqa: E731

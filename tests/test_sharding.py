@@ -5,8 +5,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
-from jzero.mesh import make_mesh
 from jzero.config import MeshConfig, ShardingStrategy
+from jzero.mesh import make_mesh
 from jzero.train.loop import setup
 from jzero.train.report import per_device_bytes
 from jzero.zero.strategies import choose_shard_dim, make_plan
@@ -52,7 +52,8 @@ def test_shardings_identical_after_init_and_update(strategy):
     dp_axes = ("dp_outer", "dp", "ep")
     for x in jax.tree.leaves(state.opt_state.inner_state):
         if x.ndim:  # moments; scalar step counts are replicated
-            sharded = any(e is not None and dp_axes[-1] in (e if isinstance(e, tuple) else (e,)) for e in x.sharding.spec)
+            spec = x.sharding.spec
+            sharded = any(e is not None and dp_axes[-1] in (e if isinstance(e, tuple) else (e,)) for e in spec)
             assert sharded == (strategy != "no_shard")
 
 

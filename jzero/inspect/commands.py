@@ -48,7 +48,7 @@ def _common(sp) -> None:
         help='GPU pod: slices x hosts per slice x GPUs per host, e.g. "4 x 1 x 8" = 32 GPUs '
         "(default: hosts of 8 GPUs holding the mesh); its product must equal the mesh size",
     )
-    sp.add_argument("--json", metavar="FILE", help="also write the report as JSON (schema: README)")
+    sp.add_argument("--json", metavar="FILE", help="also write the report as JSON (schema: docs/inspect.md)")
 
 
 def _strategies(text: str) -> list[str]:

@@ -23,7 +23,6 @@ is one reduction. The measured/theory ratio compares the collectives over DP axe
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

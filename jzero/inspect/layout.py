@@ -66,7 +66,8 @@ def format_layout(d: dict, rank: int) -> str:
         w0, w1 = o["gbuf_world"]
         l0, l1 = o["gbuf_local"]
         lines.append(
-            f"  bucket {o['bucket']}  {o['name']:32} param [{p0}, {p1})  gbuf_world [{w0}, {w1})  gbuf_local [{l0}, {l1})"
+            f"  bucket {o['bucket']}  {o['name']:32} param [{p0}, {p1})  "
+            f"gbuf_world [{w0}, {w1})  gbuf_local [{l0}, {l1})"
         )
     totals = ", ".join(f"{x['rank']}: {x['owned_numel']}" for x in d["ranks"])
     lines.append(f"owned elements per rank: {totals}")

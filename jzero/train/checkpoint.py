@@ -143,15 +143,20 @@ class Checkpointer:
         )
         if bad:
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} does not fit the model ({len(bad)} arrays): " + "; ".join(bad[:20])
+                f"checkpoint step {step} in {self.directory} does not fit the model ({len(bad)} arrays): "
+                + "; ".join(bad[:20])
             )
         dtypes = {n for n in set(want) & set(have) if want[n][1] != have[n][1]}
         if dtypes:
-            raise CheckpointError(f"checkpoint step {step}: dtypes differ for {sorted(dtypes)[:5]} (precision.param_dtype?)")
+            raise CheckpointError(
+                f"checkpoint step {step}: dtypes differ for {sorted(dtypes)[:5]} (precision.param_dtype?)"
+            )
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable: {type(e).__name__}: {e}") from None
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} is unreadable: {type(e).__name__}: {e}"
+            ) from None
         nested = restored.state
         abstract = jax.eval_shape(self.run.init_state)
         main = from_nested(nested["main_params"], abstract.params) if "main_params" in nested else None
@@ -186,7 +191,9 @@ def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager |
     try:
         return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:
-        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory}: metadata unreadable ({type(e).__name__}: {e})"
+        ) from None
 
 
 def describe(directory: str | Path) -> str:

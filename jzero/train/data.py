@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jzero.config import ConfigError, Config, DataKind
+from jzero.config import Config, ConfigError, DataKind
 
 MAX_TEXT_BYTES = 16 * 2**20  # plenty for tiny models; keeps start-up fast
 

@@ -90,12 +90,14 @@ def format_summary(s: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items())
     lines = [
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} over {s['steps']} steps "
-        f"({s['mean_step_time_s'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, compile {s['compile_s']:.1f} s)",
+        f"({s['mean_step_time_s'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, "
+        f"compile {s['compile_s']:.1f} s)",
         f"per-device memory, strategy={s['strategy']} path={s['path']} mesh: {mesh}",
         f"  {'':18}{'measured':>14}{'Megatron formula':>20}{'DDP':>14}",
     ]
     for key in ("params", "grads", "optimizer_state"):
-        lines.append(f"  {key:18}{_fmt(b['measured'][key]):>14}{_fmt(b['megatron_formula'][key]):>20}{_fmt(b['ddp'][key]):>14}")
+        row = f"{_fmt(b['measured'][key]):>14}{_fmt(b['megatron_formula'][key]):>20}{_fmt(b['ddp'][key]):>14}"
+        lines.append(f"  {key:18}{row}")
     tot = {k: sum(v.values()) for k, v in b.items()}
     lines.append(f"  {'total':18}{_fmt(tot['measured']):>14}{_fmt(tot['megatron_formula']):>20}{_fmt(tot['ddp']):>14}")
     rep = s["replicated_tensors"]

@@ -15,9 +15,9 @@ with ``use_distributed_optimizer=True``. All ranges are half-open ``[start, end)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Dict, Optional, Sequence, Tuple
 
 # Params start on 128-byte boundaries (64 elements of a >= 16-bit dtype).
 PARAM_START_ALIGNMENT = 64
@@ -41,7 +41,7 @@ class Range:
     def __len__(self) -> int:
         return self.size
 
-    def normalize(self, start: int = 0) -> "Range":
+    def normalize(self, start: int = 0) -> Range:
         """The same-sized range shifted to begin at ``start``."""
         return Range(start, start + self.size)
 
@@ -62,7 +62,7 @@ def bucket_end_divisor(dp_size: int, pad_for_high_nccl_busbw: bool = False) -> i
     return math.lcm(dp_size, 128)
 
 
-ParamRanges = Dict[str, Range]  # keys: gbuf_world, gbuf_world_in_bucket, gbuf_local, param
+ParamRanges = dict[str, Range]  # keys: gbuf_world, gbuf_world_in_bucket, gbuf_local, param
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,12 @@ class Layout:
     """
 
     dp_size: int
-    bucket_size: Optional[int]
+    bucket_size: int | None
     pad_for_high_nccl_busbw: bool
-    param_index_map: Tuple[Tuple[int, int, int], ...]
-    bucket_indices: Tuple[Tuple[int, int], ...]
-    per_bucket_numel_unpadded: Tuple[int, ...]
-    bucket_params: Tuple[Tuple[int, ...], ...]
+    param_index_map: tuple[tuple[int, int, int], ...]
+    bucket_indices: tuple[tuple[int, int], ...]
+    per_bucket_numel_unpadded: tuple[int, ...]
+    bucket_params: tuple[tuple[int, ...], ...]
 
     @property
     def numel(self) -> int:
@@ -113,7 +113,7 @@ class Layout:
         size = self.shard_size(bucket_id)
         return Range(offset + rank * size, offset + (rank + 1) * size)
 
-    def owned(self, rank: int) -> list[Dict[int, ParamRanges]]:
+    def owned(self, rank: int) -> list[dict[int, ParamRanges]]:
         """Per bucket, ``{param_idx: ranges}`` for every param overlapping ``rank``'s shard.
 
         Ownership ignores param boundaries, so a param may be split across ranks;
@@ -139,10 +139,10 @@ class Layout:
 
 
 def _build_param_range_map(
-    param_world_index_map: Dict[int, Tuple[int, int, int]],
+    param_world_index_map: dict[int, tuple[int, int, int]],
     gbuf_world_range: Range,
     bucket_offset: int,
-) -> Dict[int, ParamRanges]:
+) -> dict[int, ParamRanges]:
     """Megatron's ``_build_model_gbuf_param_range_map`` for one rank and bucket.
 
     For each param overlapping the rank's shard ``gbuf_world_range``, four ranges:
@@ -175,9 +175,9 @@ def _is_int(x) -> bool:
 def build_layout(
     numels: Sequence[int],
     dp_size: int,
-    bucket_size: Optional[int] = None,
+    bucket_size: int | None = None,
     pad_for_high_nccl_busbw: bool = False,
-    new_bucket: Optional[Sequence[bool]] = None,
+    new_bucket: Sequence[bool] | None = None,
 ) -> Layout:
     """Lay params out in one flat buffer exactly as Megatron's distributed optimizer does.
 

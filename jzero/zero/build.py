@@ -9,12 +9,14 @@ optimizer state to and from model space (per parameter, for checkpoints).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.config import ConfigError, ShardingStrategy, ZeroConfig, ZeroPath
 from jzero.zero.batch import batch_sharding

@@ -12,7 +12,8 @@ A per-param state tree (Adam's `mu`, say) is `prefix + param path` in model spac
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

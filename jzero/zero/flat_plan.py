@@ -13,7 +13,8 @@ Global arrays (d = DP-domain size, S_b = padded size of bucket b):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -19,12 +19,14 @@ every non-scalar optimizer-state leaf one [tp, S_b] array per bucket, `FlatPlan.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.config import ConfigError
 from jzero.mesh import BATCH_AXES, TP_AXIS

@@ -19,7 +19,8 @@ groups that the inner transformation would silently ignore.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import optax

@@ -17,12 +17,14 @@ counts, injected hyperparameters) get a sharding of their own: `inner_state_shar
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import DENSE_DP_AXES, axes_size
 from jzero.zero import groups as groups_lib

@@ -37,14 +37,17 @@ def transformation_name(tx: optax.GradientTransformation) -> str:
     that built `tx`, read from its update function's closure (best effort, for error messages)."""
 
     def name(fn, depth: int) -> str:
-        top = fn.__qualname__.split(".")[0]
+        top = getattr(fn, "__qualname__", type(fn).__name__).split(".")[0]
         parts = []
-        for cell in fn.__closure__ or ():
+        for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else [value]
+            if isinstance(value, dict):
+                items = value.values()
+            else:
+                items = value if isinstance(value, (tuple, list)) else [value]
             for item in items:
                 update = item if inspect.isfunction(item) else getattr(item, "update", None)
                 if depth and inspect.isfunction(update) and "update" in update.__qualname__:
@@ -88,7 +91,10 @@ def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list
 
     n = sum(sizes)
     cuts = [0, n // 4, n // 2, (3 * n) // 4 + 1, n]  # bucket 0 = [0, n/2), bucket 1 = [n/2, n)
-    shards_of = lambda v: [[v[cuts[r] : cuts[r + 1]], v[cuts[2 + r] : cuts[3 + r]]] for r in range(2)]  # noqa: E731
+
+    def shards_of(v):  # per rank: [its shard of bucket 0, its shard of bucket 1]
+        return [[v[cuts[r] : cuts[r + 1]], v[cuts[2 + r] : cuts[3 + r]]] for r in range(2)]
+
     flat_params = shards_of(cat(leaves))
     flat_grads = [shards_of(cat(jax.tree.leaves(g))) for g in grads]
     rank_groups = [None, None]

@@ -6,7 +6,8 @@ one array per flat bucket on the flat path) but hold the same things, in these t
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

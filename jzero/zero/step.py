@@ -15,11 +15,13 @@ accumulator, so no rank ever holds a full reduced gradient.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, axes_size
 from jzero.zero.batch import batch_sharding, split_batch
