@@ -35,7 +35,7 @@ from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.probe import check_elementwise
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params
-from jzero.zero.update import clip_coefficient, model_copy, step_inner
+from jzero.zero.update import clip_coefficient, inner_update, model_copy
 
 PyTree = Any
 
@@ -177,7 +177,8 @@ def build_flat_step(
                 on_shards([g.lr_mult for g in group_list], rank), on_shards([g.wd_mult for g in group_list], rank)
             )
         inner_state = jax.tree.map(lambda x: x[0] if x.ndim else x, opt_state.inner_state)
-        main, inner_state = step_inner(inner, grads, inner_state, main, values)
+        updates, inner_state = inner_update(inner, grads, inner_state, main, values)
+        main = optax.apply_updates(main, updates)
         # All-gather each updated bucket in the param dtype, back into the params.
         local = model_copy(main, [dtypes[0]] * fp.n_buckets)
         gathered = [jax.lax.all_gather(m, fp.dp_axes, tiled=True) if fp.sharded else m for m in local]

@@ -30,7 +30,7 @@ from jzero.mesh import DENSE_DP_AXES, axes_size
 from jzero.zero import groups as groups_lib
 from jzero.zero.state import ZeroState, keeps_main_params
 from jzero.zero.strategies import ShardingPlan, choose_shard_dim
-from jzero.zero.update import clip_by_global_norm, model_copy, step_inner
+from jzero.zero.update import clip_by_global_norm, inner_update, model_copy
 
 PyTree = Any
 
@@ -123,8 +123,8 @@ def zero_optimizer(
         grads = _constrain(grads, state_sh)  # optim: each rank keeps its shard of the full grad
         grads, norm = clip_by_global_norm(grads, clip_grad)
         main = state.main_params if keep_main else _constrain(params, state_sh)
-        main, inner_state = step_inner(inner, grads, state.inner_state, main, values)
-        main = _constrain(main, state_sh)
+        updates, inner_state = inner_update(inner, grads, state.inner_state, main, values)
+        main = _constrain(optax.apply_updates(main, updates), state_sh)
         inner_state = _constrain(inner_state, inner_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = _constrain(model_copy(main, jax.tree.map(lambda p: p.dtype, params)), param_sh)

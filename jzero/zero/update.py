@@ -45,25 +45,14 @@ def inner_update(
     main: PyTree,
     groups: GroupValues | None,
 ) -> tuple[PyTree, optax.OptState]:
-    """The inner transformation's (updates, new state) for the fp32 main params.
+    """The inner transformation's (updates, new state) for the fp32 main params; the caller adds
+    the updates to the main params (`optax.apply_updates`).
 
     `groups` (laid out like `grads`) reaches the inner transformation as the extra argument
     `param_groups`; transformations that do not take extra arguments never see it.
     """
     extra = {} if groups is None else {EXTRA_ARG: groups}
     return optax.with_extra_args_support(inner).update(grads, inner_state, main, **extra)
-
-
-def step_inner(
-    inner: optax.GradientTransformation,
-    grads: PyTree,
-    inner_state: optax.OptState,
-    main: PyTree,
-    groups: GroupValues | None,
-) -> tuple[PyTree, optax.OptState]:
-    """One inner-optimizer step on the fp32 main params: (new main params, new inner state)."""
-    updates, inner_state = inner_update(inner, grads, inner_state, main, groups)
-    return optax.apply_updates(main, updates), inner_state
 
 
 def model_copy(main: PyTree, dtypes: PyTree) -> PyTree:
