@@ -40,16 +40,27 @@ def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
     assert all(c.payload_bytes <= 8 for c in dp_all_reduces), dp_all_reduces
 
 
-def test_zero1_and_ddp_all_reduce_the_buffer():
-    for strategy in ("optim", "no_shard"):
-        run = setup(tiny_config(strategy, (8, 1, 1), zero={"path": "flat"}))
-        fp = run.zero.flat
-        cs = _compiled_collectives(run)
-        dp_all_reduces = [c for c, axes in cs if c.kind == "all-reduce" and axes & DP_AXES]
-        # fp32 bytes of the non-scalar arrays (XLA may combine the loss/norm scalars into the same op).
-        arrays = [math.prod(s) for c in dp_all_reduces for s in c.shapes if math.prod(s) > 1]
-        assert 4 * sum(arrays) == 4 * fp.layout.numel
-        assert not [c for c, _ in cs if c.kind == "reduce-scatter"]
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_zero1_reduce_scatters_once_with_ddp_wire_bytes(microbatches):
+    """Megatron's distributed optimizer: the full local buffer accumulates, one reduce-scatter after
+    the last microbatch, one all-gather: DDP's all-reduce bytes (fp32 grads and params)."""
+    kw = dict(microbatches=microbatches, zero={"path": "flat"}, train={"global_batch": 32})
+    ddp, z1 = setup(tiny_config("no_shard", **kw)), setup(tiny_config("optim", **kw))
+    buffer_bytes = 4 * z1.zero.flat.layout.numel
+    ddp_cs, z1_cs = _compiled_collectives(ddp), _compiled_collectives(z1)
+
+    ddp_ar = [c for c, axes in ddp_cs if c.kind == "all-reduce" and axes & DP_AXES]
+    # fp32 bytes of the non-scalar arrays (XLA may combine the loss/norm scalars into the same op).
+    assert 4 * sum(math.prod(s) for c in ddp_ar for s in c.shapes if math.prod(s) > 1) == buffer_bytes
+    assert not [c for c, _ in ddp_cs if c.kind == "reduce-scatter"]
+
+    rs = [c for c, axes in z1_cs if c.kind == "reduce-scatter" and axes & DP_AXES]
+    ag = [c for c, axes in z1_cs if c.kind == "all-gather" and axes & DP_AXES]
+    assert sum(c.payload_bytes for c in rs) == buffer_bytes  # once, not once per microbatch
+    assert sum(c.payload_bytes for c in ag) == buffer_bytes
+    z1_ar = [c for c, axes in z1_cs if c.kind == "all-reduce" and axes & DP_AXES]
+    assert all(math.prod(s) == 1 for c in z1_ar for s in c.shapes), z1_ar  # only the loss and norm scalars
+    # So per device ZeRO-1 sends (d-1)/d B + (d-1)/d B on a ring, DDP's all-reduce 2(d-1)/d B.
 
 
 @pytest.mark.parametrize("dtype, main_bytes", [("float32", 0), ("bfloat16", 4)])

@@ -142,7 +142,7 @@ def test_memory_state_split_matches_formula(tmp_path):
 
 
 def test_mesh_must_fit_topology(capsys):
-    assert jzero(["hlo", "--target", "h100", "--topology", "4 x 1 x 8"]) == 2
+    assert jzero(["hlo", "--target", "h100", "--topology", "4 x 1 x 8"], [*TINY, "mesh.dp=8"]) == 2
     err = capsys.readouterr().err
     assert "mesh dp_outer*dp*ep*tp = 1*8*1*1 = 8 does not fit --topology '4 x 1 x 8' of 32 GPUs" in err
     assert jzero(["memory", "--topology", "1 x 1 x 8"]) == 2
@@ -159,19 +159,54 @@ def test_gpu_target_without_plugin_says_what_to_install(monkeypatch, capsys):
 
 
 @needs_cuda
-def test_deviceless_h100_zero2_reduce_scatters(tmp_path):
-    """8 H100s, spec path: ZeRO-2 reduce-scatters the grads (no full-gradient all-reduce) and,
-    with fp32 params, moves what DDP's all-reduce moves (docs/megatron.md, "Bytes on the wire")."""
-    doc = hlo_doc(tmp_path, "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "no_shard,optim_grads")
+def test_plugin_not_of_jaxlibs_version_is_one_line_naming_both(monkeypatch, capsys):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    jaxlib_version = real("jaxlib")
+    fake = {"jax-cuda12-plugin": "0.0.1", "jax-cuda12-pjrt": jaxlib_version}
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: fake.get(dist) or real(dist))
+    assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"jaxlib is {jaxlib_version} and the plugin is jax-cuda12-plugin 0.0.1;" in err
+    assert f'fix: pip install "jax-cuda12-plugin=={jaxlib_version}" "jax-cuda12-pjrt=={jaxlib_version}"' in err
+
+
+@needs_cuda
+@pytest.mark.parametrize("topology, n, dp", [(None, 8, 4), ("4 x 1 x 8", 32, 16)])
+def test_dp_minus_one_fills_the_gpu_topology(topology, n, dp):
+    """A GPU target's mesh.dp=-1 takes the topology's GPUs (default: one host of 8), not the local devices."""
+    from jzero.inspect.compile import setup_without_data, target_devices
+
+    cfg = load_config(None, [*TINY, "mesh.tp=2"])
+    devices, topo = target_devices(cfg, "h100", topology)
+    assert len(devices) == n and topo == (topology or "1 x 1 x 8")
+    assert setup_without_data(cfg, devices).cfg.mesh.dp == dp
+
+
+@needs_cuda
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
+    """8 H100s, spec path: ZeRO-1 and ZeRO-2 reduce-scatter the grads (no full-gradient all-reduce)
+    and, with fp32 params, move what DDP's all-reduce moves (docs/megatron.md, "Bytes on the
+    wire"); ZeRO-1 reduces once after the last microbatch, as Megatron's distributed optimizer."""
+    micro = [f"train.microbatches={microbatches}", "train.global_batch=32"]
+    jzero_args = ["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--json", str(tmp_path / "hlo.json")]
+    assert jzero(jzero_args, [*TINY, *micro]) == 0
+    doc = json.loads((tmp_path / "hlo.json").read_text())
     assert doc["device_kind"] == TARGETS["h100"].device_kind and doc["topology"] == "1 x 1 x 8"
-    z2, ddp = doc["strategies"]["optim_grads"], doc["strategies"]["no_shard"]
-    g = z2["theory"]["grad_bytes"]
-    (rs,) = rows(doc, "optim_grads", "reduce-scatter")
-    assert rs["axes"] == ["dp"] and rs["payload_bytes"] == pytest.approx(g, rel=1e-3)
-    assert all(r["payload_bytes"] < 0.01 * g for r in rows(doc, "optim_grads", "all-reduce"))
-    assert z2["dp_wire_bytes"] == pytest.approx(ddp["dp_wire_bytes"], abs=64)  # the loss and norm scalars
-    assert z2["ratio"] == pytest.approx(1.0, rel=1e-3) and ddp["ratio"] == pytest.approx(1.0, rel=1e-3)
-    assert not z2["notes"]
+    ddp = doc["strategies"]["no_shard"]
+    assert ddp["ratio"] == pytest.approx(1.0, rel=1e-3)
+    for name in ("optim", "optim_grads"):
+        z = doc["strategies"][name]
+        g = z["theory"]["grad_bytes"]
+        (rs,) = rows(doc, name, "reduce-scatter")
+        assert rs["axes"] == ["dp"] and rs["payload_bytes"] == pytest.approx(g, rel=1e-3)
+        assert all(r["payload_bytes"] < 0.01 * g for r in rows(doc, name, "all-reduce"))
+        assert z["dp_wire_bytes"] == pytest.approx(ddp["dp_wire_bytes"], abs=64)  # the loss and norm scalars
+        assert z["ratio"] == pytest.approx(1.0, rel=1e-3)
+    assert not doc["strategies"]["optim"]["notes"]
 
 
 @needs_cuda

@@ -8,7 +8,7 @@ from helpers import tiny_config
 from jzero.config import MeshConfig, ShardingStrategy
 from jzero.mesh import make_mesh
 from jzero.train.loop import setup
-from jzero.train.report import per_device_bytes
+from jzero.train.report import per_device_bytes, shard_bytes
 from jzero.zero.strategies import choose_shard_dim, make_plan
 
 
@@ -35,10 +35,13 @@ def test_state_bytes_are_one_over_dp(strategy, ddp_bytes):
     assert run.zero.plan.replicated() == []  # vocab 257 still has a divisible dim (d_model)
     state = run.init_state()
     assert _moment_bytes(state.opt_state) * 4 == ddp_bytes["opt"]
+    # The reduced grads are sharded under both (ZeRO-1 reduce-scatters after the last
+    # microbatch); the grad buffer they accumulate in is full under ZeRO-1, as in Megatron.
     grads = run.zero.grads(state.params, run.device_batch(0))
-    expected = ddp_bytes["grads"] // 4 if strategy == "optim_grads" else ddp_bytes["grads"]
-    assert per_device_bytes(grads) == expected
+    assert per_device_bytes(grads) == ddp_bytes["grads"] // 4
     assert _shardings(grads) == jax.tree.leaves(run.zero.plan.grad_shardings())
+    buffer = shard_bytes(run.zero.grad_buffer_structs(jax.numpy.float32))
+    assert buffer == (ddp_bytes["grads"] // 4 if strategy == "optim_grads" else ddp_bytes["grads"])
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])

@@ -10,15 +10,17 @@ gather, with d the DP-domain size (dp_outer x dp x ep), G the tp-local grad byte
 `precision.grad_reduce_dtype` and P the tp-local param bytes in `precision.param_dtype`:
 
     no_shard (DDP)        all-reduce G                         2(d-1)/d G
-    optim (ZeRO-1)        all-reduce G + all-gather P          2(d-1)/d G + (d-1)/d P
+    optim (ZeRO-1)        reduce-scatter G + all-gather P       (d-1)/d G + (d-1)/d P
     optim_grads (ZeRO-2)  reduce-scatter G + all-gather P       (d-1)/d G + (d-1)/d P
 
-ZeRO-1 as jzero and Megatron define it reduces the grads in full (every rank could
-read all of them), hence the all-reduce. The theory leaves out the model's tp
-collectives, the loss mean and the grad-norm scalar; the flat path's buckets are
-padded to lcm(d, 128), which the theory leaves out too. With micro-batches, ZeRO-2
-reduce-scatters once per micro-batch at run time; the theory, like the static count,
-is one reduction. The measured/theory ratio compares the collectives over DP axes only.
+ZeRO-1 is Megatron's distributed optimizer: the full local grad buffer accumulates over
+the micro-batches and is reduce-scattered once, after the last; with G = P (fp32 params
+and grads) that is exactly DDP's all-reduce. ZeRO-2 reduce-scatters every micro-batch
+(so only the shard accumulates): once per micro-batch at run time; the theory, like the
+static count of instructions, is one reduction. The theory leaves out the model's tp
+collectives, the loss mean and the grad-norm scalar; the flat path's buckets are padded
+to lcm(d, 128), which the theory leaves out too. The measured/theory ratio compares the
+collectives over DP axes only.
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ def theory(c: CompiledStep) -> dict:
     strategy = cfg.zero.strategy
     if strategy == ShardingStrategy.NO_SHARD:
         by_kind, formula = {"all-reduce": 2 * one * g}, "2(d-1)/d*G"
-    elif strategy == ShardingStrategy.OPTIM:
-        by_kind, formula = {"all-reduce": 2 * one * g, "all-gather": one * p}, "2(d-1)/d*G + (d-1)/d*P"
-    else:
+    else:  # optim, optim_grads
         by_kind, formula = {"reduce-scatter": one * g, "all-gather": one * p}, "(d-1)/d*G + (d-1)/d*P"
     return {"d": d, "grad_bytes": g, "param_bytes": p, "formula": formula, "by_kind": by_kind,
             "wire_bytes": sum(by_kind.values())}  # fmt: skip
@@ -77,15 +77,6 @@ def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> lis
         notes.append(
             f"no reduce-scatter: the grads are all-reduced in full, then each rank slices its shard ({why}); "
             "--path flat or a GPU target shows the reduce-scatter"
-        )
-    if (
-        cfg.zero.strategy == ShardingStrategy.OPTIM
-        and dp_by_kind.get("reduce-scatter")
-        and dp_by_kind.get("all-reduce", 0) < 0.01 * th["by_kind"]["all-reduce"]
-    ):
-        notes.append(
-            "the grad all-reduce became a reduce-scatter: the step reads only the owned shard of the reduced "
-            "grads, so XLA reduce-scatters them (with one microbatch this is the optim_grads program)"
         )
     micro = cfg.train.microbatches
     if micro > 1 and cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS:

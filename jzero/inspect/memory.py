@@ -6,10 +6,11 @@ Two views of one compiled step (`compile.compile_step`), both per device:
     params             the model copy, `plan.param_shardings()`, in param_dtype
     main_params        the fp32 master copy (only when params are not fp32)
     optimizer_moments  the inner optax state (Adam's mu and nu; its step counter)
-    grads              the reduced grads as the step holds them: `plan.grad_shardings()`
-                       in grad_reduce_dtype (spec path), the grad buckets (flat path).
-                       They live inside the step, so XLA may never materialise them whole:
-                       compare `temp` below.
+    grads              the grad buffer the microbatches accumulate into (Megatron's),
+                       in grad_reduce_dtype: full local grads under DDP and ZeRO-1, the
+                       owned shard under ZeRO-2 (`Zero.grad_buffer_structs`). It lives
+                       inside the step, so XLA may never materialise it whole: compare
+                       `temp` below.
   beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`);
 - the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
   (the new state, aliased to the donated arguments), temp (activations, local grads,
@@ -20,25 +21,14 @@ Two views of one compiled step (`compile.compile_step`), both per device:
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 
 from jzero.inspect.comms import LABELS, count, header, human
 from jzero.inspect.compile import CPU, CompiledStep
-from jzero.train.report import formula_split
+from jzero.train.report import formula_split, shard_bytes
 
 SCHEMA = "jzero.memory/1"
 PARTS = ("params", "main_params", "optimizer_moments", "grads")
-
-
-def shard_bytes(tree) -> int:
-    """Bytes one device holds of `tree` (ShapeDtypeStructs or arrays with NamedShardings)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-    return total
 
 
 def state_bytes(c: CompiledStep) -> dict:
@@ -48,7 +38,7 @@ def state_bytes(c: CompiledStep) -> dict:
         "params": shard_bytes(c.state.params),
         "main_params": 0 if opt.main_params is None else shard_bytes(opt.main_params),
         "optimizer_moments": shard_bytes(opt.inner_state),
-        "grads": shard_bytes(c.run.zero.reduced_grad_structs(jnp.dtype(c.cfg.precision.grad_reduce_dtype.value))),
+        "grads": shard_bytes(c.run.zero.grad_buffer_structs(jnp.dtype(c.cfg.precision.grad_reduce_dtype.value))),
     }
 
 

@@ -1,6 +1,10 @@
 """The end-of-run summary: loss, and per-device bytes measured from the arrays' shards
 beside Megatron's formula and the DDP figure (docs/megatron.md, "Bytes per parameter").
 
+"grads" is the grad buffer the microbatches accumulate into (full local grads under DDP and
+ZeRO-1, the owned shard under ZeRO-2). It lives only inside the step, so its bytes are read
+from the shardings the step pins on it (`Zero.grad_buffer_structs`), not from an array.
+
 Formula, with P_local the tp-local parameter count and d the DP-domain size:
   params P_local * param_bytes; grads P_local * grad_bytes (/ d under optim_grads);
   optimizer state P_local * (main_bytes + moment_bytes) (/ d unless no_shard),
@@ -11,6 +15,7 @@ Formula, with P_local the tp-local parameter count and d the DP-domain size:
 from __future__ import annotations
 
 import collections
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +30,14 @@ def per_device_bytes(tree) -> int:
         for shard in a.addressable_shards:
             by_device[shard.device] += shard.data.nbytes
     return max(by_device.values(), default=0)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs or arrays with NamedShardings)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
 
 
 def formula_bytes(run, d: int | None = None) -> dict:
@@ -49,10 +62,10 @@ def formula_bytes(run, d: int | None = None) -> dict:
 
 
 def measured_bytes(run, state) -> dict:
-    grads = run.zero.grads(state.params, run.device_batch(0))
+    grad_dtype = jnp.dtype(run.cfg.precision.grad_reduce_dtype.value)
     return {
         "params": per_device_bytes(state.params),
-        "grads": per_device_bytes(grads),
+        "grads": shard_bytes(run.zero.grad_buffer_structs(grad_dtype)),
         "optimizer_state": per_device_bytes(state.opt_state),
     }
 
@@ -66,6 +79,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         "strategy": cfg.zero.strategy.value,
         "path": cfg.zero.path.value,
         "mesh": {k: v for k, v in run.mesh.shape.items()},
+        "devices": _devices(run.mesh),
         "steps": len(metrics),
         "loss_first": metrics[0]["loss"],
         "loss_last": metrics[-1]["loss"],
@@ -81,6 +95,12 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
     }
 
 
+def _devices(mesh) -> dict:
+    """What the mesh runs on: {"platform": "cpu" or "gpu", "kind": e.g. "NVIDIA H100 80GB HBM3", "count"}."""
+    d = mesh.devices.flat[0]
+    return {"platform": d.platform, "kind": d.device_kind, "count": mesh.devices.size}
+
+
 def _fmt(n: float) -> str:
     return f"{n / 2**20:10.3f} MiB"
 
@@ -88,11 +108,13 @@ def _fmt(n: float) -> str:
 def format_summary(s: dict) -> str:
     b = s["bytes_per_device"]
     mesh = " ".join(f"{k}={v}" for k, v in s["mesh"].items())
+    d = s["devices"]
+    on = f"{d['count']} x {d['platform']}" + ("" if d["kind"] == d["platform"] else f" ({d['kind']})")
     lines = [
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} over {s['steps']} steps "
         f"({s['mean_step_time_s'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, "
         f"compile {s['compile_s']:.1f} s)",
-        f"per-device memory, strategy={s['strategy']} path={s['path']} mesh: {mesh}",
+        f"per-device memory, strategy={s['strategy']} path={s['path']} mesh: {mesh} on {on}",
         f"  {'':18}{'measured':>14}{'Megatron formula':>20}{'DDP':>14}",
     ]
     for key in ("params", "grads", "optimizer_state"):

@@ -46,8 +46,9 @@ class Zero:
       init_opt: params -> ZeroState, to call under jit (see `init_state`).
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
-      grads: jitted (params, batch) -> the reduced grads as the step holds them (spec:
-        per param in `plan.grad_shardings()`; flat: one [tp, S_b] array per bucket).
+      grads: jitted (params, batch) -> the reduced grads as the optimizer reads them (spec:
+        per param in `plan.grad_shardings()`; flat: one [tp, S_b] array per bucket, split
+        over DP unless no_shard).
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout), where `to_model_space` puts it.
     """
@@ -82,13 +83,19 @@ class Zero:
         """Inverse of `to_model_space`; traceable."""
         return opt_state if self.flat is None else model_space_to_flat(self.flat, self.inner, opt_state)
 
-    def reduced_grad_structs(self, dtype) -> PyTree:
-        """The reduced grads as the step holds them, as sharded ShapeDtypeStructs in `dtype`."""
+    def grad_buffer_structs(self, dtype) -> PyTree:
+        """The grad buffer the microbatches accumulate into, as sharded ShapeDtypeStructs in `dtype`.
+
+        Full local grads per device under DDP and ZeRO-1, the owned shard under ZeRO-2
+        (`strategies.ShardingPlan.grad_buffer_shardings`; flat path: one [tp, S_b] per bucket).
+        """
         if self.flat is not None:
             sh = NamedSharding(self.mesh, self.flat.bucket_spec(sharded=self.plan.shards_grads))
             return [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s in self.flat.bucket_shapes()]
         return jax.tree.map(
-            lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s), self.plan.tensors, self.plan.grad_shardings()
+            lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s),
+            self.plan.tensors,
+            self.plan.grad_buffer_shardings(),
         )
 
 

@@ -2,10 +2,11 @@
 
 Per bucket of the flat buffer (`flat_plan.py`):
 
-  ZeRO-2 (optim_grads): psum_scatter over the DP domain; rank r keeps its shard
-      `[r*S/d, (r+1)*S/d)` (every microbatch, so only the shard is ever accumulated).
-  ZeRO-1 (optim) / DDP (no_shard): psum of the whole bucket (after accumulation);
-      ZeRO-1 then slices the rank's shard.
+  ZeRO-2 (optim_grads): psum_scatter over the DP domain every microbatch; rank r keeps
+      its shard `[r*S/d, (r+1)*S/d)`, so only the shard is ever accumulated.
+  ZeRO-1 (optim): the full local bucket accumulates over microbatches (Megatron's
+      grad buffer), then one psum_scatter after the last: DDP's wire bytes.
+  DDP (no_shard): the full local bucket accumulates, then one psum.
 
 The inner optax transformation steps on the owned fp32 shards, with the param groups'
 multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards are cast
@@ -103,7 +104,7 @@ def build_flat_step(
     opt_sh = opt_state_shardings(inner, fp)
     shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
-    reduce_spec = fp.bucket_spec(sharded=plan.shards_grads)
+    reduce_spec = fp.bucket_spec()  # the reduced grads: sharded unless no_shard
     scale = 1.0 / (fp.d * microbatches)
     keep_main = opt_sh.main_params is not None
     splits_tp = any(e is not None for t in jax.tree.leaves(plan.tensors) for e in t.tp_spec)
@@ -111,7 +112,7 @@ def build_flat_step(
     group_list = None if groups is None else group_leaves(groups)
 
     def reduce(buckets):
-        if plan.shards_grads:
+        if fp.sharded:
             return [jax.lax.psum_scatter(g, fp.dp_axes, scatter_dimension=0, tiled=True) for g in buckets]
         return [jax.lax.psum(g, fp.dp_axes) for g in buckets]
 
@@ -125,7 +126,7 @@ def build_flat_step(
         return loss, flatten(fp, g, grad_reduce_dtype)
 
     def grads_body(params, batch):
-        """Reduced grad buckets: ZeRO-2 owned shards [1, S_b/d], else full [1, S_b]."""
+        """Reduced grad buckets: the owned shards [1, S_b/d], full [1, S_b] under DDP."""
         mbs = jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))  # [M, b, ...] this rank's
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
         first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
@@ -140,7 +141,7 @@ def build_flat_step(
         if microbatches > 1:
             acc, losses = jax.lax.scan(body, acc, rest)
             loss = (loss + losses.sum()) / microbatches
-        red = acc if plan.shards_grads else reduce(acc)  # DDP / ZeRO-1: reduce once
+        red = acc if plan.shards_grads else reduce(acc)  # DDP / ZeRO-1: reduce once, after the last
         return jax.lax.pmean(loss, BATCH_AXES), [r[None] for r in red]
 
     grads_fn = jax.shard_map(
@@ -156,7 +157,7 @@ def build_flat_step(
     def update_body(params, opt_state, grads):
         rank = jax.lax.axis_index(fp.dp_axes)
         grads = [g[0].astype(jnp.float32) for g in grads]
-        if not plan.shards_grads:
+        if not fp.sharded:  # DDP: every rank holds all of it and updates all of it
             grads = [owned(fp, g, rank) for g in grads]
         # Global norm: tp-split params summed over tp too, tp duplicates counted once.
         split = on_shards(fp.tp_sharded, rank)

@@ -9,7 +9,7 @@ transformation never knows it is sharded: XLA partitions its math, per-tensor
 
 Shardings (see `strategies.py` for the notation), with `W[D, F_tp]` a model param:
   params in/out:       W[D, F_tp]      (replicated over DP)
-  grads in:            W[D, F_tp] or W[D_dp, F_tp] (optim_grads)
+  grads in:            W[D_dp, F_tp]   (W[D, F_tp] under no_shard)
   main params, state:  W[D_dp, F_tp]   (W[D, F_tp] under no_shard)
 Inner-state leaves that are not shaped like their param (adafactor's factored moments,
 counts, injected hyperparameters) get a sharding of their own: `inner_state_shardings`.
@@ -120,7 +120,7 @@ def zero_optimizer(
 
     def step(grads, state, params):
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grads = _constrain(grads, state_sh)  # optim: each rank keeps its shard of the full grad
+        grads = _constrain(grads, state_sh)  # each rank reads the shard it owns
         grads, norm = clip_by_global_norm(grads, clip_grad)
         main = state.main_params if keep_main else _constrain(params, state_sh)
         updates, inner_state = inner_update(inner, grads, state.inner_state, main, values)

@@ -6,11 +6,17 @@ param's data-parallel domain (`dp_outer x dp x ep` for dense params,
 `dp_outer x dp` for expert params). Which arrays get that extra split is the
 strategy (Megatron's `data_parallel_sharding_strategy`):
 
-| strategy            | model params | reduced grads | fp32 main params + optimizer state |
-|---------------------|--------------|---------------|------------------------------------|
-| no_shard (DDP)      | W[D, F_tp]   | W[D, F_tp]    | W[D, F_tp]                         |
-| optim (ZeRO-1)      | W[D, F_tp]   | W[D, F_tp]    | W[D_dp, F_tp]                      |
-| optim_grads (ZeRO-2)| W[D, F_tp]   | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+| strategy            | model params | grad buffer   | reduced grads | fp32 main params + optimizer state |
+|---------------------|--------------|---------------|---------------|------------------------------------|
+| no_shard (DDP)      | W[D, F_tp]   | W[D, F_tp]    | W[D, F_tp]    | W[D, F_tp]                         |
+| optim (ZeRO-1)      | W[D, F_tp]   | W[D, F_tp]    | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+| optim_grads (ZeRO-2)| W[D, F_tp]   | W[D_dp, F_tp] | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+
+The grad buffer is what the microbatches accumulate into (Megatron's `grad_data`): the
+rank's local grads under DDP and ZeRO-1, reduced once after the last microbatch (an
+all-reduce for DDP, a reduce-scatter for ZeRO-1: the same wire bytes as DDP's all-reduce
+with the param all-gather, docs/megatron.md, "Bytes on the wire"); the owned shard of the
+reduced grads under ZeRO-2, which reduce-scatters every microbatch into it.
 
 Each tensor gets its largest dim that is free of tp and divisible by the DP size
 (else a tp-split dim divisible by tp x DP, split over both). A tensor with no such
@@ -134,7 +140,15 @@ class ShardingPlan:
         return self._tree(self.state_spec)
 
     def grad_shardings(self) -> PyTree:
-        """Reduced gradients (and, under optim_grads, the accumulator)."""
+        """Reduced gradients, as the optimizer reads them: sharded wherever the state is."""
+        return self._tree(lambda t: t.zero_spec if self.shards_state else t.tp_spec)
+
+    def grad_buffer_shardings(self) -> PyTree:
+        """The grad buffer per device (module docstring): full local grads unless optim_grads.
+
+        Under DDP and ZeRO-1 the step holds it as stacked local grads (`local_grad_shardings`),
+        one full tensor per rank; this gives the same per-device bytes in the param's shape.
+        """
         return self._tree(lambda t: t.zero_spec if self.shards_grads else t.tp_spec)
 
     def local_grad_shardings(self) -> PyTree:
