@@ -22,6 +22,9 @@ class ConfigError(ValueError):
     """A bad config key, value or combination; the message names the key."""
 
 
+AUTO_DP = -1  # mesh.dp: all the devices the other mesh axes leave
+
+
 class ShardingStrategy(str, enum.Enum):
     """Megatron's `data_parallel_sharding_strategy`: what is sharded over the DP domain."""
 
@@ -95,12 +98,32 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes; their product must equal the number of devices."""
+    """Device mesh sizes; their product must equal the number of devices.
 
-    dp: int = 8  # data parallel (dense and expert params)
+    `dp: -1` (MaxText's convention) takes every device the other axes leave: device count /
+    (dp_outer * ep * tp), known only once JAX has started (`resolve`, `resolve_mesh`).
+    """
+
+    dp: int = AUTO_DP  # data parallel (dense and expert params); -1 = all remaining devices
     ep: int = 1  # expert parallel; dense params are also data-parallel over it
     tp: int = 1  # tensor parallel (Megatron column/row parallel layers)
     dp_outer: int = 1  # outer data-parallel axis for HSDP (replicas of a sharded group)
+
+    def resolve(self, n_devices: int) -> MeshConfig:
+        """These sizes with `dp=-1` replaced by the devices the other axes leave; unchanged if dp is set.
+
+        Raises:
+          ConfigError: `n_devices` is not a multiple of dp_outer * ep * tp.
+        """
+        if self.dp != AUTO_DP:
+            return self
+        rest = self.dp_outer * self.ep * self.tp
+        if n_devices % rest:
+            raise ConfigError(
+                f"mesh.dp=-1 (all remaining devices): {n_devices} devices are not a multiple of "
+                f"mesh.dp_outer*mesh.ep*mesh.tp = {self.dp_outer}*{self.ep}*{self.tp} = {rest}; set mesh.dp explicitly"
+            )
+        return dataclasses.replace(self, dp=n_devices // rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,12 +208,19 @@ class Config:
 
     @property
     def dp_domain_size(self) -> int:
-        """Ranks dense params are data-parallel over (dp_outer x dp x ep)."""
+        """Ranks dense params are data-parallel over (dp_outer x dp x ep); needs a resolved mesh.dp."""
+        self._check_resolved()
         return self.mesh.dp_outer * self.mesh.dp * self.mesh.ep
 
     @property
     def n_devices(self) -> int:
+        """Devices of the mesh; needs a resolved mesh.dp."""
+        self._check_resolved()
         return self.mesh.dp_outer * self.mesh.dp * self.mesh.ep * self.mesh.tp
+
+    def _check_resolved(self) -> None:
+        if self.mesh.dp == AUTO_DP:
+            raise ConfigError("mesh.dp=-1 is not resolved yet: resolve_mesh(cfg, device count) fills it in")
 
 
 # ---------------------------------------------------------------- parsing
@@ -304,6 +334,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+def resolve_mesh(cfg: Config, n_devices: int) -> Config:
+    """`cfg` with `mesh.dp=-1` filled in for `n_devices` devices, then validated again (the batch
+    split depends on dp). With mesh.dp set, `cfg` itself: `make_mesh` checks it against the devices.
+
+    Called once the device count is known (`jzero.train.loop.setup`, after JAX has started).
+    """
+    mesh = cfg.mesh.resolve(n_devices)
+    if mesh == cfg.mesh:
+        return cfg
+    cfg = dataclasses.replace(cfg, mesh=mesh)
+    validate(cfg)
+    return cfg
+
+
 def from_dict(raw: dict) -> Config:
     """Builds and validates a Config from a nested dict (e.g. a checkpoint's metadata)."""
     cfg = _build(Config, raw, "")
@@ -355,11 +399,15 @@ def _check_param_groups(o: OptimizerConfig) -> None:
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
-    for section in ("model", "mesh"):
-        for f in dataclasses.fields(getattr(cfg, section)):
-            value = getattr(getattr(cfg, section), f.name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                _positive(f"{section}.{f.name}", value)
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _positive(f"model.{f.name}", value)
+    for f in dataclasses.fields(mesh):
+        value = getattr(mesh, f.name)
+        if value < 1 and not (f.name == "dp" and value == AUTO_DP):
+            hint = " or -1 (all remaining devices)" if f.name == "dp" else ""
+            raise ConfigError(f"mesh.{f.name}={value} must be >= 1{hint}")
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("optimizer.lr", o.lr)
@@ -387,8 +435,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
         )
-    split = cfg.dp_domain_size * t.microbatches
-    if t.global_batch % split:
+    # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.
+    if mesh.dp != AUTO_DP and t.global_batch % (cfg.dp_domain_size * t.microbatches):
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"

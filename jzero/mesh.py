@@ -27,12 +27,14 @@ TP_AXIS = "tp"
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh of shape (dp_outer, dp, ep, tp) over `devices` (default: all devices).
+    """A mesh of shape (dp_outer, dp, ep, tp) over `devices` (default: all devices of JAX's
+    default backend: the GPUs on a GPU host); `cfg.dp=-1` takes the devices the other axes leave.
 
     Axis types are Auto so sharding constraints inside jit are honoured (docs/xla.md,
     "Auto axes and sharding constraints").
     """
     devices = jax.devices() if devices is None else devices
+    cfg = cfg.resolve(len(devices))
     shape = (cfg.dp_outer, cfg.dp, cfg.ep, cfg.tp)
     if math.prod(shape) != len(devices):
         raise ConfigError(

@@ -3,6 +3,11 @@
 Everything that starts JAX for a config goes through `start_jax`: the CLI's commands, the
 inspect tools and the experiments. It must run before JAX's backend initialises (the CPU
 device count cannot change afterwards), so this module imports JAX only inside it.
+
+On a GPU host nothing here points JAX away from the GPUs: JAX_PLATFORMS is left alone, and
+the mesh is built on `jax.devices()`, the default backend's devices (CUDA's outrank the CPU's),
+so the simulated CPU devices exist but no mesh uses them. `mesh.dp=-1` is filled in from the
+device count once JAX has started (`jzero.config.resolve_mesh`, called by `jzero.train.loop.setup`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ def start_jax(
     """Sets up JAX for this process; call before any JAX computation.
 
     Arguments:
-      host_devices: simulated CPU devices of this process (`train.host_devices`); no effect on GPU.
+      host_devices: simulated CPU devices of this process (`train.host_devices`): a CPU setting;
+        on a GPU host it sizes only the CPU backend, which the mesh does not use.
       coordinator: "HOST:PORT" of process 0, to join a multi-process run by hand (with
         `num_processes` and `process_id`); CPU processes then use gloo collectives.
       distributed: join a multi-process run whose cluster (SLURM, Open MPI, ...) JAX detects.

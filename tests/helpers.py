@@ -8,6 +8,7 @@ import functools
 import jax
 import numpy as np
 import optax
+from jax.sharding import SingleDeviceSharding
 
 from jzero.config import Config, MeshConfig, OptimizerName, ZeroConfig, from_dict
 from jzero.train.loop import lr_schedule, param_groups, setup
@@ -73,7 +74,7 @@ def _reference_run(cfg: Config, steps: int):
     model = GPTModel(cfg.model, seed=cfg.train.seed)
     tx = plain_optax(cfg, model)
     device = jax.devices()[0]
-    params = jax.jit(model.init, device=device)()
+    params = jax.jit(model.init, out_shardings=SingleDeviceSharding(device))()  # jit(device=) is deprecated
     opt_state = tx.init(params)
 
     @jax.jit

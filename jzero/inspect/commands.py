@@ -46,7 +46,7 @@ def _common(sp) -> None:
         "--topology",
         metavar='"S x H x D"',
         help='GPU pod: slices x hosts per slice x GPUs per host, e.g. "4 x 1 x 8" = 32 GPUs '
-        "(default: hosts of 8 GPUs holding the mesh); its product must equal the mesh size",
+        "(default: hosts of 8 GPUs holding the mesh, one host with mesh.dp=-1); its product must equal the mesh size",
     )
     sp.add_argument("--json", metavar="FILE", help="also write the report as JSON (schema: docs/inspect.md)")
 

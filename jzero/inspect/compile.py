@@ -16,12 +16,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jzero.config import Config, ConfigError, ShardingStrategy, ZeroPath, validate
+from jzero.config import AUTO_DP, Config, ConfigError, ShardingStrategy, ZeroPath, validate
 from jzero.mesh import AXES
 from jzero.train import loop
 from jzero.zero.state import TrainState
 
 CPU = "cpu"
+GPUS_PER_HOST = 8  # the default topology's hosts (DGX/HGX H100 and A100)
 
 
 @dataclasses.dataclass
@@ -51,43 +52,43 @@ class CompiledStep:
 
 def default_topology(n_devices: int) -> str:
     """One host up to 8 GPUs, else hosts of 8: 8 -> "1 x 1 x 8", 64 -> "8 x 1 x 8"."""
-    if n_devices <= 8:
+    if n_devices <= GPUS_PER_HOST:
         return f"1 x 1 x {n_devices}"
-    if n_devices % 8:
-        raise ConfigError(f"{n_devices} GPUs do not fill hosts of 8; pass --topology explicitly")
-    return f"{n_devices // 8} x 1 x 8"
+    if n_devices % GPUS_PER_HOST:
+        raise ConfigError(f"{n_devices} GPUs do not fill hosts of {GPUS_PER_HOST}; pass --topology explicitly")
+    return f"{n_devices // GPUS_PER_HOST} x 1 x {GPUS_PER_HOST}"
 
 
-def target_devices(cfg: Config, target: str, topology: str | None) -> list | None:
-    """The devices to build `cfg`'s mesh on, in the order `make_mesh` reshapes them.
+def target_devices(cfg: Config, target: str, topology: str | None) -> tuple[list | None, str | None]:
+    """The devices to build `cfg`'s mesh on, in the order `make_mesh` reshapes them, and the topology.
 
-    cpu: None (the local devices). A GPU target: the compile-only devices of `topology`
-    (default `default_topology(cfg.n_devices)`), which must number exactly the mesh's size.
+    cpu: (None, None): the local devices. A GPU target: the compile-only devices of `topology`,
+    which must number exactly the mesh's size; default `default_topology(cfg.n_devices)`, or one
+    host of 8 GPUs when `mesh.dp=-1` leaves the size open (dp then takes what the others leave).
     """
     if target == CPU:
         if topology is not None:
             raise ConfigError("--topology describes a GPU pod; use it with --target h100, a100 or h200")
-        return None
+        return None, None
     from jzero.inspect import targets
 
-    topology = topology or default_topology(cfg.n_devices)
+    topology = topology or default_topology(GPUS_PER_HOST if cfg.mesh.dp == AUTO_DP else cfg.n_devices)
     try:
         n = math.prod(targets.parse_topology(topology))
     except ValueError as e:
         raise ConfigError(f"--topology: {e}") from None
-    m = cfg.mesh
-    if cfg.n_devices != n:
+    m = cfg.mesh.resolve(n)
+    shape = (m.dp_outer, m.dp, m.ep, m.tp)
+    if math.prod(shape) != n:
         raise ConfigError(
-            f"mesh dp_outer*dp*ep*tp = {m.dp_outer}*{m.dp}*{m.ep}*{m.tp} = {cfg.n_devices} does not fit "
+            f"mesh dp_outer*dp*ep*tp = {m.dp_outer}*{m.dp}*{m.ep}*{m.tp} = {math.prod(shape)} does not fit "
             f"--topology {topology!r} of {n} GPUs (set mesh sizes whose product is {n})"
         )
     try:
-        mesh = targets.gpu_mesh(target, topology, (m.dp_outer, m.dp, m.ep, m.tp), AXES)
-    except RuntimeError as e:  # the CUDA plugin is missing: the message says what to install
-        if targets.cuda_plugin_available():
-            raise
+        mesh = targets.gpu_mesh(target, topology, shape, AXES)
+    except targets.CudaPluginError as e:  # missing, or not jaxlib's version: the message says what to install
         raise ConfigError(str(e)) from None
-    return list(mesh.devices.flat)
+    return list(mesh.devices.flat), topology
 
 
 def with_zero(
@@ -120,17 +121,17 @@ def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) ->
     """Builds `cfg`'s run on the target's devices and compiles one train step on abstract inputs.
 
     Arguments:
-      cfg: a validated config; its zero.strategy and zero.path select the step.
+      cfg: a validated config; its zero.strategy and zero.path select the step; `mesh.dp=-1` takes
+        the target's devices (the local ones, or the GPU topology's).
       target: "cpu" (the local, possibly simulated, devices) or a GPU target ("h100", ...).
       topology: a GPU target's "slices x hosts_per_slice x gpus_per_host".
 
     Raises:
       ConfigError: the mesh does not fit the devices or topology, or the CUDA plugin is missing.
     """
-    devices = target_devices(cfg, target, topology)
-    if target != CPU:
-        topology = topology or default_topology(cfg.n_devices)
-    run = setup_without_data(cfg, devices)
+    devices, topology = target_devices(cfg, target, topology)
+    run = setup_without_data(cfg, devices)  # resolves mesh.dp=-1 against the devices
+    cfg = run.cfg
     state = abstract_state(run)
     batch = jax.ShapeDtypeStruct(
         (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=run.zero.batch_sharding

@@ -2,9 +2,10 @@
 
 XLA's CUDA compiler needs only a description of the card (a `GpuTargetConfigProto`:
 SM count, compute capability, memory size, ...), not the card. With the CUDA PJRT
-plugin installed (`pip install -e .[gpu-aot]`), `gpu_mesh("h100", "4 x 1 x 8", ...)`
-returns a mesh of compile-only devices; `jax.jit(f).lower(*ShapeDtypeStructs).compile()`
-on it gives the real GPU program (`as_text()`, `memory_analysis()`), never runs it.
+plugin of the installed jaxlib's exact version (`pip install -e .[gpu-aot]`),
+`gpu_mesh("h100", "4 x 1 x 8", ...)` returns a mesh of compile-only devices;
+`jax.jit(f).lower(*ShapeDtypeStructs).compile()` on it gives the real GPU program
+(`as_text()`, `memory_analysis()`), never runs it.
 """
 
 from __future__ import annotations
@@ -72,11 +73,45 @@ def parse_topology(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
+PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt")  # what the gpu-aot extra installs
+
+
+class CudaPluginError(RuntimeError):
+    """The CUDA PJRT plugin is missing or is not jaxlib's version; the one-line message says what to install."""
+
+
+def install_command(version: str) -> str:
+    """The pip command that installs the CUDA PJRT plugin of jaxlib `version`."""
+    return "pip install " + " ".join(f'"{dist}=={version}"' for dist in PLUGIN_DISTRIBUTIONS)
+
+
 def _install_hint() -> str:
     v = importlib.metadata.version("jaxlib")
+    hint = "Deviceless GPU compilation needs the CUDA PJRT plugin: pip install -e .[gpu-aot]"
+    return f"{hint} (or: {install_command(v)})"
+
+
+def plugin_mismatch() -> str | None:
+    """One line naming the installed plugin wheels whose version is not jaxlib's, with the fix; None if all match.
+
+    The plugin is compiled against one jaxlib. Given another, jaxlib only warns and drops the plugin's
+    extension, while JAX still loads its PJRT library (seen: a 0.10.1 plugin compiled for jaxlib
+    0.10.2); jzero refuses instead of compiling with a mismatched pair.
+    """
+    jaxlib_version = importlib.metadata.version("jaxlib")
+    wrong = []
+    for dist in PLUGIN_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if version != jaxlib_version:
+            wrong.append(f"{dist} {version}")
+    if not wrong:
+        return None
     return (
-        "Deviceless GPU compilation needs the CUDA PJRT plugin: pip install -e .[gpu-aot] "
-        f"(or: pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v})"
+        f"the CUDA PJRT plugin must match jaxlib exactly, but jaxlib is {jaxlib_version} and the plugin is "
+        f"{', '.join(wrong)}; fix: {install_command(jaxlib_version)}"
     )
 
 
@@ -94,7 +129,8 @@ def gpu_topology(target: str, topology: str):
 
     Raises:
       ValueError: unknown target or malformed topology.
-      RuntimeError: the CUDA plugin is not installed (the message says what to install).
+      CudaPluginError: the CUDA plugin is not installed, or not jaxlib's version (the message says
+        what to install).
     """
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r}; known: {sorted(TARGETS)}")
@@ -102,7 +138,10 @@ def gpu_topology(target: str, topology: str):
     try:
         import jax_plugins.xla_cuda12 as cuda_plugin
     except ImportError as e:
-        raise RuntimeError(_install_hint()) from e
+        raise CudaPluginError(_install_hint()) from e
+    mismatch = plugin_mismatch()
+    if mismatch:
+        raise CudaPluginError(mismatch)
     from jax.experimental import topologies
 
     # No CUDA runtime here, so the plugin's version check would fail and JAX would drop

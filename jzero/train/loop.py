@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jzero.config import Config, OptimizerName
+from jzero.config import Config, OptimizerName, resolve_mesh
 from jzero.mesh import make_mesh
 from jzero.train.data import make_dataset
 from jzero.train.model import GPTModel
@@ -94,8 +94,12 @@ class Run:
 def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
     """Resolves the mesh, model and ZeRO run for `cfg` (raises ConfigError on misfit).
 
+    This is where a config meets its devices (default: all of JAX's devices, every process's),
+    so `mesh.dp=-1` is filled in here, once; `Run.cfg` is the resolved config.
     with_data=False skips the dataset (compile-only tools never read it).
     """
+    devices = jax.devices() if devices is None else devices
+    cfg = resolve_mesh(cfg, len(devices))
     mesh = make_mesh(cfg.mesh, devices)
     model = GPTModel(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
     abstract = model.abstract_params()
@@ -132,6 +136,7 @@ def train(
     from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
 
     run = setup(cfg)
+    cfg = run.cfg  # mesh.dp resolved
     ck = cfg.checkpoint
     resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
     save_dir = ck.dir or resume_dir
