@@ -1,8 +1,12 @@
 """The train-step builder for the spec path: gradients, their reduction, the optimizer step.
 
-Each data-parallel rank computes the gradient of its own microbatch (a `vmap` over
-the DP domain with `spmd_axis_name`, so the stacked local grads `[n_dp, *shape]` are
-sharded one slice per rank and nothing is communicated). The reduction is then
+Each data-parallel rank computes the gradient of its own microbatch in a `shard_map`
+that is manual over the DP axes only (tp stays with XLA, so the loss still sees global
+tp-split params): the params are cast to DP-varying first (`jax.lax.pcast`, docs/xla.md,
+"shard_map and check_vma"), so autodiff gives each rank its local grads and communicates
+nothing, a param used twice (tied embeddings) summed locally. They leave as stacked local
+grads `[n_dp, *shape]`, one slice per rank, in the layout backprop made them (a `vmap`
+formulation made XLA relayout every grad: experiments/bench). The reduction is then
 an explicit sum over that axis in `precision.grad_reduce_dtype`, whose output
 sharding is the strategy's grad sharding: XLA emits an all-reduce where grads are
 replicated and a reduce-scatter where they are sharded (on GPU; on CPU it emits
@@ -57,10 +61,24 @@ def reduced_grads(
         lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs
     )
 
+    def rank_grads(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and [1, *shape] grads
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, BATCH_AXES, to="varying"), params)
+        loss, g = jax.value_and_grad(loss_fn)(params, jax.tree.map(lambda x: x[0], mb))
+        g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype)[None], g)
+        return loss[None], g
+
+    stacked = P(BATCH_AXES)
+    local_grads_fn = jax.shard_map(
+        rank_grads,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), plan.tensors), stacked),
+        out_specs=(stacked, jax.tree.map(lambda _: stacked, plan.tensors)),
+        axis_names=set(BATCH_AXES),
+    )
+
     def local_grads(mb):
         """[n_dp, ...] per-rank losses and grads of one microbatch, one slice per rank."""
-        loss, g = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=BATCH_AXES)(params, mb)
-        g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype), g)
+        loss, g = local_grads_fn(params, mb)
         return loss, jax.tree.map(jax.lax.with_sharding_constraint, g, local_sh)
 
     def reduce(g):  # the DP collective: sum over ranks into the strategy's grad sharding
