@@ -65,7 +65,7 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     d = 8
 
     # Schema: what `--json` promises (docs/inspect.md).
-    assert doc["schema"] == "jzero.hlo/1" and doc["path"] == "flat" and doc["d"] == d
+    assert doc["schema"] == "jzero.hlo/2" and doc["path"] == "flat" and doc["d"] == d
     assert {"target", "topology", "device_kind", "n_devices", "mesh", "params", "config", "strategies"} <= set(doc)
     for s in doc["strategies"].values():
         assert {
