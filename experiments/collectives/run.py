@@ -6,7 +6,7 @@ Compiles (runs nothing) the train step of every strategy, as `jzero hlo` does, f
 the default tiny GPT on 8 CPU devices (spec and flat paths) and on 8 deviceless H100s
 (spec and flat), and LLaMA-2-7B on 8 and 64 deviceless H100s (spec path). Writes
 `result.json` (one `jzero hlo --json` document per setup), `tables.txt` (the printed
-tables) and `wire_bytes.png`. About 2 minutes on 2 CPU cores; needs `.[experiments,gpu-aot]`.
+tables) and `wire_bytes.png`. About 8 minutes on 2 CPU cores; needs `.[experiments,gpu-aot]`.
 """
 
 import json
