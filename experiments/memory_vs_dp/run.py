@@ -54,7 +54,7 @@ SEED_SCALING = [(16, 64, 64, "OOM"), (32, 128, 32, "160 GB"), (64, 256, 16, "155
 def compile_memory(name: str, overrides: list[str], strategy: str) -> dict:
     """`jzero memory configs/<name>.yaml --target h100 --set ...` for one strategy, as a dict."""
     cfg = with_zero(load_config(CONFIGS / f"{name}.yaml", overrides), strategy)
-    c = compile_step(cfg, "h100")
+    c = compile_step(cfg, "h100", dump=False)
     doc = memory.analyze(c, H100)
     doc["topology"] = c.topology
     return doc

@@ -62,13 +62,13 @@ def _strategies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _compile_all(cfg: Config, args) -> dict:
-    """{strategy: CompiledStep} for every strategy of `--strategies`."""
+def _compile_all(cfg: Config, args, dump: bool) -> dict:
+    """{strategy: CompiledStep} for every strategy of `--strategies`; `dump` keeps XLA's dump (the peak)."""
     from jzero.inspect.compile import compile_step, with_zero
 
     out = {}
     for s in _strategies(args.strategies):
-        out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology)
+        out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology, dump=dump)
         print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)
     return out
 
@@ -89,7 +89,7 @@ def _report(args, module_name: str) -> int:
     import importlib
 
     module = importlib.import_module(f"jzero.inspect.{module_name}")
-    doc = module.report(_compile_all(cfg, args))
+    doc = module.report(_compile_all(cfg, args, dump=module_name == "comms"))  # jzero hlo reads the peak
     print(module.format_report(doc))
     _write_json(args.json, doc)
     return 0

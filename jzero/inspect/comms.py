@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.config import ShardingStrategy, to_dict
-from jzero.inspect import hlo, schedule
+from jzero.inspect import hlo, overlap, peak
 from jzero.inspect.compile import CPU, CompiledStep
 from jzero.mesh import DENSE_DP_AXES
 
@@ -123,8 +123,8 @@ def analyze(c: CompiledStep) -> dict:
         "theory": th,
         "ratio": dp_wire / th["wire_bytes"] if th["wire_bytes"] else None,
         "notes": _notes(c, dp_by_kind, th, rows),
-        "schedule": schedule.schedule_report(c),  # what XLA overlaps each collective with
-        "peak": schedule.peak_report(c),  # what temp memory holds at its peak
+        "schedule": overlap.schedule_report(c),  # what XLA overlaps each collective with
+        "peak": peak.peak_report(c),  # what temp memory holds at its peak
     }
 
 
@@ -204,7 +204,7 @@ def format_report(doc: dict) -> str:
             f"measured/theory {ratio}"
         )
         lines += [f"  note: {n}" for n in s["notes"]]
-        lines += schedule.format_lines(s)
+        lines += overlap.format_lines(s) + peak.format_lines(s)
         lines.append("")
     lines.append(f"  {'strategy':<14}{'DP wire/device':>16}{'theory':>14}{'ratio':>8}   DP collectives")
     for name, s in doc["strategies"].items():

@@ -5,12 +5,21 @@ their shardings, and `jax.jit(step).lower(...).compile()` gives the program XLA 
 run (`as_text()` for the collectives, `memory_analysis()` for the bytes). For a GPU
 target the devices are compile-only (docs/xla.md, "Deviceless GPU compilation"): the CUDA compiler needs a
 description of the card, not the card.
+
+What `Compiled` does not expose on GPU, the buffer assignment and the values' live ranges
+(`memory_analysis()`'s `serialized_buffer_assignment_proto` is empty there, and has no live
+ranges on CPU), XLA writes to its dump: `compile_with_dump` compiles with
+`compiler_options={"xla_dump_to": tmpdir}`, which changes what XLA writes, not what it builds
+(the same `as_text()` and `memory_analysis()` on CPU and H100, jax 0.10.2), and keeps the texts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
+import tempfile
 import time
 
 import jax
@@ -23,6 +32,45 @@ from jzero.zero.state import TrainState
 
 CPU = "cpu"
 GPUS_PER_HOST = 8  # the default topology's hosts (DGX/HGX H100 and A100)
+# XLA's dump files that `XlaDump` keeps, by the end of their names (the start names the module
+# and, on GPU, the compute capability: `module_0042.jit_step.sm_9.0a_gpu_after_optimizations.txt`).
+_DUMP_SUFFIXES = {
+    "buffer_assignment": "after_optimizations-buffer-assignment.txt",
+    "live_range": "after_optimizations-live-range.txt",
+    "hlo": "after_optimizations.txt",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaDump:
+    """XLA's after-optimizations dump of one compile: the texts `peak.peak` reads.
+
+    Attributes:
+      buffer_assignment: `*after_optimizations-buffer-assignment.txt`: the allocations and each
+        value's offset in them.
+      live_range: `*after_optimizations-live-range.txt`: each value's [start, end] on the
+        flattened schedule.
+      hlo: `*after_optimizations.txt`: the module whose values those name (XLA:GPU prints an
+        async reduce-scatter here as `async-start`, where `as_text()` prints `reduce-scatter-start`).
+    """
+
+    buffer_assignment: str
+    live_range: str
+    hlo: str
+
+
+def compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, XlaDump]:
+    """Compiles `lowered` once with XLA's dump on; the compiled program and its `XlaDump`."""
+    texts = {}
+    with tempfile.TemporaryDirectory(prefix="jzero-xla-dump-") as tmp:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": tmp})
+        for key, suffix in _DUMP_SUFFIXES.items():
+            found = sorted(glob.glob(os.path.join(tmp, f"*{suffix}")))
+            if not found:
+                raise RuntimeError(f"XLA wrote no *{suffix} to its dump directory")
+            with open(found[-1]) as f:
+                texts[key] = f.read()
+    return compiled, XlaDump(**texts)
 
 
 @dataclasses.dataclass
@@ -36,6 +84,7 @@ class CompiledStep:
       target: "cpu" or a key of `targets.TARGETS`.
       topology: "slices x hosts x gpus" of a GPU target, None on cpu.
       compile_s: seconds spent in lower + compile.
+      dump: XLA's dump of this compile (`compile_step(..., dump=True)`), else None.
     """
 
     run: loop.Run
@@ -44,6 +93,7 @@ class CompiledStep:
     target: str
     topology: str | None
     compile_s: float
+    dump: XlaDump | None = None
 
     @property
     def cfg(self) -> Config:
@@ -117,7 +167,7 @@ def abstract_state(run: loop.Run) -> TrainState:
     return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.zero.shardings, shapes)
 
 
-def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) -> CompiledStep:
+def compile_step(cfg: Config, target: str = CPU, topology: str | None = None, *, dump: bool = True) -> CompiledStep:
     """Builds `cfg`'s run on the target's devices and compiles one train step on abstract inputs.
 
     Arguments:
@@ -125,6 +175,8 @@ def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) ->
         the target's devices (the local ones, or the GPU topology's).
       target: "cpu" (the local, possibly simulated, devices) or a GPU target ("h100", ...).
       topology: a GPU target's "slices x hosts_per_slice x gpus_per_host".
+      dump: compile with XLA's dump on and keep its texts (`CompiledStep.dump`, what `peak`
+        reads): the same program, at no measurable compile time; `False` where the peak is not wanted.
 
     Raises:
       ConfigError: the mesh does not fit the devices or topology, or the CUDA plugin is missing.
@@ -137,5 +189,6 @@ def compile_step(cfg: Config, target: str = CPU, topology: str | None = None) ->
         (cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32, sharding=run.zero.batch_sharding
     )
     t0 = time.perf_counter()
-    compiled = run.zero.step.lower(state, batch).compile()
-    return CompiledStep(run, compiled, state, target, topology, time.perf_counter() - t0)
+    lowered = run.zero.step.lower(state, batch)
+    compiled, xla_dump = compile_with_dump(lowered) if dump else (lowered.compile(), None)
+    return CompiledStep(run, compiled, state, target, topology, time.perf_counter() - t0, xla_dump)

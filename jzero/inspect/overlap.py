@@ -1,0 +1,269 @@
+"""What XLA scheduled around each collective, and which DP collectives it left exposed.
+
+Read from the compiled program (`read_schedule(compiled.as_text())`); nothing runs. A module
+printed with `is_scheduled=true` lists each non-fusion computation's instructions in execution
+order. XLA:GPU runs a collective asynchronously as a pair, `all-gather-start` ...
+`all-gather-done` (also `all-reduce-`, `collective-permute-`), or `async-start` ...
+`async-done` around a computation holding the collective (reduce-scatter, all-to-all;
+`as_text()` prints that pair as `reduce-scatter-start` / `reduce-scatter-done`). What XLA
+placed between the start and its done, in the same computation, runs while the collective is
+on the wire: its **window**. A pair marked `"is_sync":true` (XLA:GPU found nothing to overlap)
+and a plain collective (every collective on XLA:CPU) are synchronous and have an empty window.
+A collective inside a `while` body (a micro-batch or layer scan) is paired and measured within
+that body, once per iteration; `runs` says how often the body runs per step. (A start whose done
+is not in its computation, as a pipelined collective's, overlaps the rest of it.)
+
+Compute is counted in **flops of dots and convolutions**: a dot is 2 x (result elements) x
+(product of the lhs contracting dims), a convolution 2 x (result elements) x (kernel
+elements / output features), a cuBLAS GEMM custom call like a dot; fusions and called
+computations count what they contain, a `while` its body x its known trip count
+(1 when XLA does not know it), a `conditional` its largest branch. Everything else
+(elementwise fusions, reductions, copies) counts 0 flops; the window's instruction count
+(all but parameter, constant, tuple, get-tuple-element and bitcast) shows it.
+A collective is **exposed** when its window holds no dot or convolution flops.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from jzero.inspect import hlo
+from jzero.inspect.hlo_module import Instr, Module, dims, ints
+
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+# --------------------------------------------------------------------------- flops
+
+
+def _own_flops(i: Instr, m: Module) -> float:
+    """Flops of a dot, convolution or cuBLAS GEMM; 0 for anything else (module docstring)."""
+    if i.opcode == "dot" or (i.opcode == "custom-call" and re.search(r'custom_call_target="__cublas\$', i.attrs)):
+        key = r"lhs_contracting_dims=\{([^}]*)\}" if i.opcode == "dot" else r'"lhs_contracting_dimensions":\[([^\]]*)\]'
+        contracting = re.search(key, i.attrs)
+        lhs = dims(m.shape(i.operands[0]))
+        k = math.prod(lhs[d] for d in ints(contracting.group(1))) if contracting and lhs else 1
+        return 2.0 * math.prod(dims(i.result)) * k
+    labels = re.search(r"dim_labels=\w+_(\w+)->", i.attrs)
+    if labels and (i.opcode == "convolution" or i.opcode == "custom-call"):
+        kernel = dims(m.shape(i.operands[1]))
+        out_features = kernel[labels.group(1).index("o")] if kernel else 1
+        return 2.0 * math.prod(dims(i.result)) * math.prod(kernel) / max(out_features, 1)
+    return 0.0
+
+
+class Flops:
+    """Dot/conv flops per instruction and per computation (memoized; linear in the module)."""
+
+    def __init__(self, m: Module):
+        self.m, self._comp = m, {}
+        self.unknown_trips: set[str] = set()  # loops without a known trip count
+
+    def trips(self, i: Instr) -> int | None:
+        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.attrs)
+        return int(n.group(1)) if n else None
+
+    def of(self, i: Instr) -> float:
+        """Flops of one execution of `i`, including what it calls."""
+        called = [self.computation(c) for c in i.called]
+        if i.opcode == "while":
+            trips = self.trips(i)
+            if trips is None:
+                self.unknown_trips.add(i.name)
+            return (trips or 1) * sum(called)
+        if i.opcode == "conditional":
+            return max(called, default=0.0)
+        return _own_flops(i, self.m) + sum(called)
+
+    def computation(self, name: str) -> float:
+        if name not in self._comp:
+            self._comp[name] = 0.0  # guards against cycles
+            self._comp[name] = sum(self.of(i) for i in self.m.computations.get(name, []))
+        return self._comp[name]
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """One collective and what XLA scheduled while it runs (per execution of its computation).
+
+    Attributes:
+      collective: the collective (`hlo.Collective`: kind, payload, replica groups).
+      computation: where its start and done are scheduled (the entry or a loop body).
+      runs: executions per step of that computation (the product of the enclosing loops'
+        trip counts; 1 where XLA does not know one).
+      is_async: a start/done pair not marked `is_sync`.
+      window_flops: dot/conv flops between start and done; 0 for a synchronous collective.
+      window_instructions: instructions between them (parameter, constant, tuple,
+        get-tuple-element and bitcast not counted).
+    """
+
+    collective: hlo.Collective
+    computation: str
+    runs: int
+    is_async: bool
+    window_flops: float
+    window_instructions: int
+
+    @property
+    def exposed(self) -> bool:
+        return self.window_flops == 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The collectives of a compiled module and what overlaps them.
+
+    Attributes:
+      overlaps: one per collective, in module order.
+      step_flops: dot/conv flops of one step (the entry computation, loops x trip counts).
+      scheduled: the module is printed in schedule order (`is_scheduled=true`).
+      entry: the entry computation's name (a collective elsewhere is in a loop or a call).
+      unknown_trip_counts: loops XLA gave no trip count (counted once).
+    """
+
+    overlaps: tuple[Overlap, ...]
+    step_flops: float
+    scheduled: bool
+    entry: str
+    unknown_trip_counts: int
+
+
+def read_schedule(hlo_text: str) -> Schedule:
+    """The collectives of a compiled module with their windows (module docstring)."""
+    m = Module(hlo_text)
+    flops = Flops(m)
+    by_name = {c.name: c for c in hlo.parse_collectives(hlo_text)}
+    by_computation = {c.computation: c for c in by_name.values()}
+    runs = _runs(m, flops)
+    out = []
+    for comp, body in m.computations.items():
+        if comp != m.entry and all(c.opcode in ("fusion", "async-start") for c in m.callers.get(comp, [])):
+            continue  # fused (never scheduled) or an async wrapper (its collective is measured at the start)
+        prefix_flops, prefix_count, position = [0.0], [0], {}
+        for n, i in enumerate(body):
+            position[i.name] = n
+            prefix_flops.append(prefix_flops[-1] + flops.of(i))
+            prefix_count.append(prefix_count[-1] + (i.opcode not in _FREE))
+        done_of = {i.operands[0]: i for i in body if i.operands and re.search(r"-(done|update)$", i.opcode)}
+        for n, i in enumerate(body):
+            collective = by_name.get(i.name)
+            if i.opcode == "async-start":
+                collective = next((by_computation[c] for c in i.called if c in by_computation), None)
+            if collective is None or i.opcode.endswith("-done"):
+                continue
+            end, is_async = n + 1, False
+            if i.opcode.endswith("-start"):
+                done = done_of.get(i.name)
+                while done is not None and done.opcode.endswith("-update"):
+                    done = done_of.get(done.name)
+                # A done outside this computation (a pipelined collective): the rest of it overlaps.
+                end = position[done.name] if done is not None else len(body)
+                is_async = '"is_sync":true' not in i.attrs
+            out.append(
+                Overlap(
+                    collective=collective,
+                    computation=comp,
+                    runs=runs.get(comp, 1),
+                    is_async=is_async,
+                    window_flops=prefix_flops[end] - prefix_flops[n + 1],
+                    window_instructions=prefix_count[end] - prefix_count[n + 1],
+                )
+            )
+    step_flops = flops.computation(m.entry)
+    return Schedule(tuple(out), step_flops, m.scheduled, m.entry, len(flops.unknown_trips))
+
+
+def _runs(m: Module, flops: Flops) -> dict[str, int]:
+    """Executions per step of each computation: the entry once, a loop body x its trip count."""
+    runs: dict[str, int] = {m.entry: 1}
+
+    def of(comp: str) -> int:
+        if comp not in runs:
+            runs[comp] = 0  # guards against cycles
+            runs[comp] = sum(
+                of(i.computation) * ((flops.trips(i) or 1) if i.opcode == "while" else 1)
+                for i in m.callers.get(comp, [])
+            )
+        return runs[comp]
+
+    for comp in m.computations:
+        of(comp)
+    return runs
+
+
+# --------------------------------------------------------------------------- a compiled step
+
+
+def _is_dp(axes: tuple[str, ...]) -> bool:
+    from jzero.mesh import DENSE_DP_AXES
+
+    return bool(axes) and set(axes) <= set(DENSE_DP_AXES)
+
+
+def schedule_report(c) -> dict:
+    """The `schedule` entry of `jzero hlo --json` for one compiled step (docs/inspect.md)."""
+    sch = read_schedule(c.compiled.as_text())
+    rows = []
+    for o in sch.overlaps:
+        col = o.collective
+        rows.append(
+            {
+                "kind": col.kind,
+                "axes": list(hlo.axes_of_groups(col.replica_groups, c.run.mesh)),
+                "dtype": col.dtype,
+                "payload_bytes": col.payload_bytes,
+                "wire_bytes": col.wire_bytes,
+                "computation": o.computation,
+                "runs": o.runs,
+                "async": o.is_async,
+                "window_flops": o.window_flops,
+                "window_instructions": o.window_instructions,
+                "overlap_fraction": o.window_flops * o.runs / sch.step_flops if sch.step_flops else 0.0,
+                "exposed": o.exposed,
+            }
+        )
+    exposed = [r for r in rows if r["exposed"] and _is_dp(tuple(r["axes"]))]
+    return {
+        "scheduled": sch.scheduled,
+        "entry": sch.entry,
+        "step_flops": sch.step_flops,
+        "unknown_trip_counts": sch.unknown_trip_counts,
+        "collectives": rows,
+        "exposed_dp_wire_bytes": sum(r["wire_bytes"] for r in exposed),
+        "exposed_dp_wire_bytes_per_step": sum(r["wire_bytes"] * r["runs"] for r in exposed),
+    }
+
+
+def format_lines(s: dict) -> list[str]:
+    """The `jzero hlo` text's lines on one strategy's DP collectives: their overlap, the exposed bytes."""
+    h, sch = hlo._human, s["schedule"]
+    lines = [
+        f"  {'DP collective':<17}{'axes':<12}{'where':<10}{'count':>6}{'async':>7}{'exposed':>9}"
+        f"{'overlapped flops':>19}{'wire/device':>14}"
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for r in sch["collectives"]:
+        if _is_dp(tuple(r["axes"])):
+            where = "step" if r["computation"] == sch["entry"] else f"loop x{r['runs']}"
+            groups.setdefault((r["kind"], ",".join(r["axes"]), where), []).append(r)
+    for (kind, axes, where), rs in groups.items():
+        flops = sum(r["window_flops"] * r["runs"] for r in rs)
+        share = flops / sch["step_flops"] if sch["step_flops"] else 0.0
+        lines.append(
+            f"  {kind:<17}{axes:<12}{where:<10}{len(rs):>6}{sum(r['async'] for r in rs):>7}"
+            f"{sum(r['exposed'] for r in rs):>9}{f'{flops:.3g} ({share:.1%})':>19}"
+            f"{h(sum(r['wire_bytes'] for r in rs)):>14}"
+        )
+    exposed, per_step = sch["exposed_dp_wire_bytes"], sch["exposed_dp_wire_bytes_per_step"]
+    loops = f" ({h(per_step)} per step with loop runs)" if per_step != exposed else ""
+    order = "" if sch["scheduled"] else " NOT a scheduled module: its order may not be the execution order"
+    lines.append(
+        f"  exposed DP wire/device {h(exposed)} of {h(s.get('dp_wire_bytes', 0.0))}{loops}; "
+        f"step {sch['step_flops']:.3g} dot/conv flops{order}"
+    )
+    return lines
