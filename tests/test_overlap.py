@@ -6,32 +6,13 @@ CUDA plugin is installed, deviceless for 8 H100s (docs/xla.md, "Deviceless GPU c
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
 from jzero.inspect import hlo, overlap
 from jzero.inspect.compile import compile_step, compile_with_dump
-from jzero.inspect.targets import cuda_plugin_available, gpu_mesh
-
-D = 1024
-needs_gpu_plugin = pytest.mark.skipif(
-    not cuda_plugin_available(), reason="CUDA PJRT plugin not installed: pip install -e .[gpu-aot]"
-)
-
-
-def _cpu_mesh():
-    return Mesh(np.asarray(jax.devices()[:8]), ("dp",))
-
-
-def _h100_mesh():
-    return gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
-
-
-def _sds(shape, mesh, spec):
-    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+from programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin, sds
 
 
 def _gather_beside_matmul(mesh, dependent: bool):
@@ -44,21 +25,7 @@ def _gather_beside_matmul(mesh, dependent: bool):
         return (g.sum() + (y @ z).sum()).reshape(1)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")))
-    return f.lower(_sds((D, D), mesh, P("dp")), _sds((D, D), mesh, P()), _sds((D, D), mesh, P()))
-
-
-def _grad_then_reduce(mesh, reduce: str):
-    """One rank's grad of a [D, D] weight (its local grad), then psum (DDP) or psum_scatter (ZeRO)."""
-
-    def body(w, x):
-        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(jax.lax.pcast(w, "dp", to="varying"))
-        if reduce == "psum":
-            return w - 0.1 * jax.lax.psum(g, "dp")
-        return 0.5 * jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True)
-
-    out = P() if reduce == "psum" else P("dp")
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=out))
-    return f.lower(_sds((D, D), mesh, P()), _sds((64, D), mesh, P("dp")))
+    return f.lower(sds((D, D), mesh, P("dp")), sds((D, D), mesh, P()), sds((D, D), mesh, P()))
 
 
 def _scan_with_collective(mesh, steps=4):
@@ -72,7 +39,7 @@ def _scan_with_collective(mesh, steps=4):
         return jax.lax.scan(step, x, ws)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=(P("dp"), P(None, "dp"))))
-    return f.lower(_sds((steps, D, D), mesh, P()), _sds((64, D), mesh, P("dp")))
+    return f.lower(sds((steps, D, D), mesh, P()), sds((64, D), mesh, P("dp")))
 
 
 # --------------------------------------------------------------------------- flops
@@ -115,7 +82,7 @@ backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_nu
 
 
 def test_cpu_collectives_are_synchronous_and_exposed():
-    s = overlap.read_schedule(_gather_beside_matmul(_cpu_mesh(), dependent=False).compile().as_text())
+    s = overlap.read_schedule(_gather_beside_matmul(cpu_mesh(), dependent=False).compile().as_text())
     (ag,) = s.overlaps
     assert ag.collective.kind == "all-gather" and not ag.is_async and ag.exposed
     assert ag.window_flops == 0 and ag.window_instructions == 0
@@ -123,7 +90,7 @@ def test_cpu_collectives_are_synchronous_and_exposed():
 
 
 def test_cpu_collective_in_a_loop_runs_once_per_iteration():
-    s = overlap.read_schedule(_scan_with_collective(_cpu_mesh()).compile().as_text())
+    s = overlap.read_schedule(_scan_with_collective(cpu_mesh()).compile().as_text())
     (rs,) = s.overlaps
     assert rs.collective.kind == "reduce-scatter" and rs.runs == 4 and rs.computation != s.entry
     assert s.step_flops == 4 * 2 * 8 * D * D  # [8, D] @ [D, D] per rank, 4 times
@@ -131,7 +98,7 @@ def test_cpu_collective_in_a_loop_runs_once_per_iteration():
 
 @needs_gpu_plugin
 def test_h100_all_gather_overlaps_an_independent_matmul():
-    s = overlap.read_schedule(_gather_beside_matmul(_h100_mesh(), dependent=False).compile().as_text())
+    s = overlap.read_schedule(_gather_beside_matmul(h100_mesh(), dependent=False).compile().as_text())
     (ag,) = s.overlaps
     assert ag.is_async and not ag.exposed
     assert ag.window_flops == 2 * D**3 == s.step_flops  # the whole matmul runs while it gathers
@@ -139,14 +106,14 @@ def test_h100_all_gather_overlaps_an_independent_matmul():
 
 @needs_gpu_plugin
 def test_h100_all_gather_feeding_the_matmul_overlaps_nothing():
-    s = overlap.read_schedule(_gather_beside_matmul(_h100_mesh(), dependent=True).compile().as_text())
+    s = overlap.read_schedule(_gather_beside_matmul(h100_mesh(), dependent=True).compile().as_text())
     (ag,) = s.overlaps
     assert ag.exposed and ag.window_flops == 0 and s.step_flops == 2 * D**3
 
 
 @needs_gpu_plugin
 def test_h100_collective_in_a_loop_body_overlaps_within_the_body():
-    s = overlap.read_schedule(_scan_with_collective(_h100_mesh()).compile().as_text())
+    s = overlap.read_schedule(_scan_with_collective(h100_mesh()).compile().as_text())
     in_loop = [o for o in s.overlaps if o.computation != s.entry]
     assert in_loop and all(o.is_async and o.window_flops == 2 * 8 * D * D for o in in_loop)
     # XLA may peel iterations out of the loop; every iteration's collective is still counted once.
@@ -155,7 +122,7 @@ def test_h100_collective_in_a_loop_body_overlaps_within_the_body():
 
 @needs_gpu_plugin
 def test_h100_reduce_scatter_reads_the_same_in_both_printed_forms():
-    lowered = _grad_then_reduce(_h100_mesh(), "psum_scatter")
+    lowered = grad_then_reduce(h100_mesh(), "psum_scatter")
     compiled, dump = compile_with_dump(lowered)
     sugared = compiled.as_text()  # `reduce-scatter-start` / `reduce-scatter-done`
     generic = dump.hlo  # `async-start`, calls=%async_computation

@@ -8,46 +8,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
 from jzero.inspect import peak
 from jzero.inspect.compile import compile_step, compile_with_dump
-from jzero.inspect.targets import cuda_plugin_available, gpu_mesh
-
-D = 1024
-needs_gpu_plugin = pytest.mark.skipif(
-    not cuda_plugin_available(), reason="CUDA PJRT plugin not installed: pip install -e .[gpu-aot]"
-)
-
-
-def _cpu_mesh():
-    return Mesh(np.asarray(jax.devices()[:8]), ("dp",))
-
-
-def _h100_mesh():
-    return gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
-
-
-def _sds(shape, mesh, spec):
-    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-
-
-def _grad_then_reduce(mesh, reduce: str):
-    """One rank's grad of a [D, D] weight (its local grad), then psum (DDP) or psum_scatter (ZeRO)."""
-
-    def body(w, x):
-        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(jax.lax.pcast(w, "dp", to="varying"))
-        if reduce == "psum":
-            return w - 0.1 * jax.lax.psum(g, "dp")
-        return 0.5 * jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True)
-
-    out = P() if reduce == "psum" else P("dp")
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=out))
-    return f.lower(_sds((D, D), mesh, P()), _sds((64, D), mesh, P("dp")))
+from programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin
 
 
 def _memory(compiled) -> tuple[int, ...]:
@@ -57,7 +23,7 @@ def _memory(compiled) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("target", ["cpu", pytest.param("h100", marks=needs_gpu_plugin)])
 def test_compiling_with_the_dump_builds_the_same_program(target):
-    lowered = _grad_then_reduce(_cpu_mesh() if target == "cpu" else _h100_mesh(), "psum_scatter")
+    lowered = grad_then_reduce(cpu_mesh() if target == "cpu" else h100_mesh(), "psum_scatter")
     dumped, dump = compile_with_dump(lowered)
     plain = lowered.compile()
     assert dumped.as_text() == plain.as_text() and _memory(dumped) == _memory(plain)
@@ -74,12 +40,12 @@ def _peak(lowered, **kw):
 
 
 def test_peak_holds_the_local_grad_before_its_reduce_scatter():
-    p = _peak(_grad_then_reduce(_cpu_mesh(), "psum_scatter"), param_shapes={(D, D)}, seq_len=0, attention_elements=1)
+    p = _peak(grad_then_reduce(cpu_mesh(), "psum_scatter"), param_shapes={(D, D)}, seq_len=0, attention_elements=1)
     assert p.by_category()["local_grads"] == D * D * 4
 
 
 def test_peak_holds_the_all_reduced_grad():
-    p = _peak(_grad_then_reduce(_cpu_mesh(), "psum"), param_shapes={(D, D)}, seq_len=0, attention_elements=1)
+    p = _peak(grad_then_reduce(cpu_mesh(), "psum"), param_shapes={(D, D)}, seq_len=0, attention_elements=1)
     assert p.by_category()["reduced_grads"] == D * D * 4
 
 
