@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, ZeroPath, load_config
+from jzero.errors import JzeroError
 
 
 def _start(cfg: Config, args: argparse.Namespace | None = None) -> None:
@@ -119,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.fn(args)
-    except Exception as e:
-        from jzero.train.checkpoint import CheckpointError  # imports orbax: only on the error path
-
-        if not isinstance(e, (ConfigError, CheckpointError)):
-            raise
+    except JzeroError as e:
         print(f"jzero: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file, directory or disk the run was given (ENOSPC, EACCES, ...)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"jzero: error:{where}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("jzero: interrupted", file=sys.stderr)

@@ -17,10 +17,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key, value or combination; the message names the key."""
-
+from jzero.errors import ConfigError
 
 AUTO_DP = -1  # mesh.dp: all the devices the other mesh axes leave
 

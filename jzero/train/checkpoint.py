@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jzero.config import Config, to_dict
+from jzero.errors import CheckpointError
 from jzero.zero.state import TrainState, ZeroState
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable or does not fit the model; the message says which."""
 
 
 def _key(k) -> str:

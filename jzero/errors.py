@@ -1,0 +1,22 @@
+"""The errors jzero reports as one line: the CLI prints `jzero: error: <message>` and exits 2.
+
+Every module that can fail on a user's input raises a subclass of `JzeroError` whose
+message names the input (a config key, a file, a step, a process) and what to do.
+This module imports nothing, so every other module may import it.
+"""
+
+
+class JzeroError(Exception):
+    """A failure the user can act on; the message is the whole report (no traceback)."""
+
+
+class ConfigError(JzeroError, ValueError):
+    """A bad config key, value or combination; the message names the key."""
+
+
+class CheckpointError(JzeroError, RuntimeError):
+    """A checkpoint directory or step is missing, not ours, damaged, or does not fit the model."""
+
+
+class RunError(JzeroError, RuntimeError):
+    """A run cannot go on: a save failed, a process was lost, the loss is not finite."""
