@@ -7,34 +7,66 @@ number of simulated CPU devices before the backend starts.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, ZeroPath, load_config
-from jzero.errors import JzeroError
+from jzero.errors import CheckpointError, JzeroError, Preempted
 
 
 def _start(cfg: Config, args: argparse.Namespace | None = None) -> None:
     """Starts JAX for `cfg` (and joins a multi-process run if `args` asks)."""
+    from jzero.config import to_dict
     from jzero.runtime import start_jax
 
-    dist = {}
-    if args is not None and getattr(args, "coordinator", None):
-        dist = dict(coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
-    start_jax(cfg.train.host_devices, distributed=bool(getattr(args, "distributed", False)), **dist)
+    multi = _multiprocess(args) if args is not None else {}
+    start_jax(cfg.train.host_devices, timeouts=cfg.distributed, config=to_dict(cfg) if multi else None, **multi)
+
+
+def _multiprocess(args: argparse.Namespace) -> dict:
+    """`jzero train`'s multi-process flags, checked, as `start_jax` arguments ({}: one process)."""
+    flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if args.distributed:
+        if given:
+            raise ConfigError(f"--distributed takes the run's layout from the cluster: drop {given[0]}")
+        return {"distributed": True}
+    if not given:
+        return {}
+    if len(given) < 3:
+        missing = " and ".join(flag for flag in flags if flag not in given)
+        raise ConfigError(
+            f"{' and '.join(given)} without {missing}: a multi-process run by hand needs all three "
+            "(or --distributed on a cluster, or `jzero launch --local N` on this machine)"
+        )
+    n, me = args.num_processes, args.process_id
+    if n < 1 or not 0 <= me < n:
+        raise ConfigError(f"--process-id {me} must be in [0, --num-processes) = [0, {n})")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator {args.coordinator} must be HOST:PORT, e.g. 10.0.0.1:12355")
+    return {"coordinator": args.coordinator, "num_processes": n, "process_id": me}
 
 
 def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
-    if args.coordinator and (args.num_processes is None or args.process_id is None):
-        raise ConfigError("--coordinator needs --num-processes and --process-id")
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    # Before JAX starts, and creating nothing: could `train` make `out` and write in it?
+    name = f"--out {out}" if args.out else f"output directory {out}"
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        what = "a file, not a directory" if existing.is_file() else "not a directory"
+        raise ConfigError(f"{name} is {what}" if existing == out else f"{name}: {existing} is {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}: directory {existing} is not writable")
     _start(cfg, args)
     from jzero.train import report
     from jzero.train.loop import train
 
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     summary = train(cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback)
     if summary is None or not summary:  # nothing left to train, or not process 0
         return 0
@@ -45,9 +77,16 @@ def _cmd_train(args) -> int:
 
 def _cmd_ckpt_info(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jzero.train.checkpoint import describe
+    from jzero.train.checkpoint import describe, verify_steps
 
     print(describe(args.dir))
+    if args.verify:
+        problems = verify_steps(args.dir)
+        for step, problem in problems.items():
+            print(f"step {step}: {'DAMAGED: ' + problem if problem else 'verified'}")
+        damaged = [str(step) for step, problem in problems.items() if problem]
+        if damaged:
+            raise CheckpointError(f"damaged checkpoint steps in {args.dir}: {', '.join(damaged)}")
     return 0
 
 
@@ -89,19 +128,27 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume-fallback", action="store_true", help="if the newest checkpoint is unreadable, use the previous one"
     )
-    dist = t.add_argument_group("multi-process (one process per host; host_devices = devices per process)")
-    dist.add_argument(
-        "--distributed", action="store_true", help="jax.distributed.initialize() with cluster auto-detection"
+    dist = t.add_argument_group(
+        "multi-process (docs/cluster.md; host_devices = devices per process; bounds: distributed.*)"
     )
-    dist.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address (process 0 listens there)")
-    dist.add_argument("--num-processes", type=int)
-    dist.add_argument("--process-id", type=int)
+    dist.add_argument(
+        "--distributed", action="store_true",
+        help="take the coordinator, process count and id from the cluster (SLURM, Open MPI, Kubernetes)",
+    )
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for every process")
+    dist.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    dist.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1 (0 hosts the coordinator)")
     t.set_defaults(fn=_cmd_train)
+
+    from jzero.launch import add_parser as add_launch  # jzero launch --local N (imports no JAX)
+
+    add_launch(sub, t)
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints")
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
     info = ck_sub.add_parser("info", help="steps, the writer's strategy/mesh/dtypes, per-array shapes")
     info.add_argument("dir")
+    info.add_argument("--verify", action="store_true", help="read every array and check it against its fingerprint")
     info.set_defaults(fn=_cmd_ckpt_info)
 
     lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
@@ -117,20 +164,45 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (2 for any error reported in one line)."""
     args = _parser().parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)  # orbax logs every failure with a traceback; we report it
     try:
         return args.fn(args)
     except JzeroError as e:
-        print(f"jzero: error: {e}", file=sys.stderr)
-        return 2
+        _say(f"jzero: {'stopped' if isinstance(e, Preempted) else 'error'}: {e}")
+        return getattr(e, "exit_code", 2)
     except OSError as e:  # a file, directory or disk the run was given (ENOSPC, EACCES, ...)
         where = f" {e.filename}" if e.filename else ""
-        print(f"jzero: error:{where}: {e.strerror or e}", file=sys.stderr)
+        _say(f"jzero: error:{where}: {e.strerror or e}")
         return 2
     except KeyboardInterrupt:
-        print("jzero: interrupted", file=sys.stderr)
+        _say("jzero: interrupted")
         return 130
 
 
+def _say(line: str) -> None:
+    """One write per line, so `jzero launch` never interleaves another process's output into it."""
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def console() -> None:
+    """The `jzero` executable: `main`, then an exit that no library thread can hold up.
+
+    After a failure (already reported in one line) a failed async save or a lost peer can leave
+    non-daemon threads (orbax's, JAX's) that the interpreter would wait for forever at exit, so
+    the process leaves at once. A run that succeeded exits normally (JAX's shutdown included).
+    """
+    code = main()
+    stuck = any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+    if code != 0 and stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
@@ -193,6 +194,15 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (docs/cluster.md): how long a process waits for the others before it
+    exits with one line naming what it waited for. Every process must be given the same."""
+
+    timeout_s: int = 60  # to join the run (all processes connected) and to leave it (all finished)
+    heartbeat_timeout_s: int = 30  # a process silent this long is lost: the others exit
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -202,6 +212,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @property
     def dp_domain_size(self) -> int:
@@ -306,7 +317,11 @@ def _apply_override(raw: dict, assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or type(e).__name__  # str(e) spans several lines
+        raise ConfigError(f"--set {assignment!r}: the value {text!r} is not valid YAML ({problem})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -322,8 +337,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {path} does not exist")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # str(e) spans several lines
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or e
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     for assignment in overrides:
         _apply_override(raw, assignment)
     cfg = _build(Config, raw, "")
@@ -374,8 +392,37 @@ def to_dict(cfg: Config) -> dict:
 
 
 def _positive(key: str, value: int | float) -> None:
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise ConfigError(f"{key}={value} must be positive")
+
+
+def _check_finite(prefix: str, section: Any) -> None:
+    """Every float of the dataclass `section` (and of the dataclasses in its tuples) is finite."""
+    for f in dataclasses.fields(section):
+        key, value = f"{prefix}.{_yaml_key(f)}", getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _check_finite(f"{key}[{i}]", item)
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    _positive("optimizer.lr", o.lr)
+    for key in ("b1", "b2"):  # b1 is also SGD's momentum; at 1 Adam's bias correction 1 - b**t is 0
+        value = getattr(o, key)
+        if not 0 <= value < 1:
+            raise ConfigError(f"optimizer.{key}={value} must be in [0, 1)")
+    # optax checks nothing, but eps=0 makes Adam's update 0/0 = NaN wherever a gradient is exactly 0.
+    _positive("optimizer.eps", o.eps)
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    if o.clip_grad is not None:
+        _positive("optimizer.clip_grad", o.clip_grad)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    _check_param_groups(o)
 
 
 def _check_param_groups(o: OptimizerConfig) -> None:
@@ -407,14 +454,13 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"mesh.{f.name}={value} must be >= 1{hint}")
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
-    _positive("optimizer.lr", o.lr)
-    _check_param_groups(o)
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
-    if o.clip_grad is not None:
-        _positive("optimizer.clip_grad", o.clip_grad)
+    for f in dataclasses.fields(cfg):
+        _check_finite(f.name, getattr(cfg, f.name))
+    _check_optimizer(o)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    for f in dataclasses.fields(cfg.distributed):
+        _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
     if cfg.zero.bucket_size is not None:
         _positive("zero.bucket_size", cfg.zero.bucket_size)
     if m.d_model % m.n_heads:

@@ -20,3 +20,9 @@ class CheckpointError(JzeroError, RuntimeError):
 
 class RunError(JzeroError, RuntimeError):
     """A run cannot go on: a save failed, a process was lost, the loss is not finite."""
+
+
+class Preempted(RunError):
+    """SIGTERM stopped the run after a step (its checkpoint saved); the CLI exits 143 (128 + SIGTERM)."""
+
+    exit_code = 143

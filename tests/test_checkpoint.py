@@ -1,4 +1,5 @@
-"""orbax checkpoints on disk: exact resume, resharding across mesh/strategy/path, faults."""
+"""orbax checkpoints on disk: exact resume, resharding across mesh/strategy/path, ownership,
+integrity, and runs that fail or are stopped while saving (real files, real processes)."""
 
 import json
 import os
@@ -40,29 +41,46 @@ def cli(*args, timeout=300):
     )
 
 
+def step_dir(ck: Path, step: int) -> Path:
+    return ck / f"step_{step:08d}"
+
+
+def saved_steps(ck: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ck.glob("step_*") if (p / "commit_success.txt").exists())
+
+
+def one_line(err: str) -> str:
+    """The CLI's stderr, asserted to be exactly one `jzero:` line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jzero: "), err[-3000:]
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """ZeRO-2 flat dp=8, 6 steps, checkpoints after steps 3 and 6."""
     root = tmp_path_factory.mktemp("ckpt")
     rows = train(root / "out", *sets(checkpoint__dir=root / "ck", checkpoint__every=3, zero__path="flat"))
-    assert sorted(os.listdir(root / "ck")) == ["3", "6"]
+    assert saved_steps(root / "ck") == [3, 6]
     return root, rows
 
 
 def copy_without_last(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
-    shutil.rmtree(dst / str(STEPS))
+    shutil.rmtree(step_dir(dst, STEPS))
     return dst
 
 
-def test_exact_resume_is_bitwise(base, tmp_path):
+def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
     root, rows = base
     ck = copy_without_last(root / "ck", tmp_path / "ck")
-    resumed = train(tmp_path / "out", *sets(zero__path="flat"), "--resume", str(ck))
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    for a, b in zip(resumed, rows[3:]):
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)  # the same --out: its rows up to step 3 stay, 4..6 are rewritten
+    resumed = train(out, *sets(zero__path="flat"), "--resume", str(ck))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed, rows):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
-    assert sorted(os.listdir(ck)) == ["3", "6"]  # the resumed run kept checkpointing there
+    assert saved_steps(ck) == [3, 6]  # the resumed run kept checkpointing there
 
 
 def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
@@ -90,19 +108,145 @@ def test_shape_mismatch_lists_the_arrays(base, capsys, tmp_path):
     assert "does not fit the model" in err and "blocks/0/mlp/fc1/kernel: checkpoint [32, 64] vs model [32, 128]" in err
 
 
-def test_corrupted_checkpoint_names_the_step_and_falls_back_only_if_asked(base, capsys, tmp_path):
+# ---------------------------------------------------------------- ownership
+
+
+@pytest.mark.parametrize("folders", [["1", "2", "3"], ["2024"]])
+def test_a_directory_jzero_did_not_create_is_never_written(folders, capsys, tmp_path):
+    """A user's number-named folders are not steps: nothing is deleted, skipped or written there."""
+    ck = tmp_path / "mine"
+    for name in folders:
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes.txt").write_text(name)
+    before = sorted(str(p.relative_to(ck)) for p in ck.rglob("*"))
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck, checkpoint__keep=2)]
+    assert main(argv) == 2
+    assert "not empty" in one_line(capsys.readouterr().err)
+    assert sorted(str(p.relative_to(ck)) for p in ck.rglob("*")) == before
+    assert main(argv + ["--resume"]) == 2
+    assert "not a jzero checkpoint directory" in one_line(capsys.readouterr().err)
+
+
+def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_path):
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    (ck / "step_00000009").mkdir()  # a folder with a step's name that jzero did not write
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck)]
+    assert main(argv) == 2
+    assert "holds steps 3, 6 of an earlier run" in one_line(capsys.readouterr().err)
+    assert saved_steps(ck) == [3, 6]
+    assert main(argv + ["--resume", "--set", "checkpoint.keep=1"]) == 0  # continues it; keep=1 deletes only its own
+    assert saved_steps(ck) == [8] and (ck / "step_00000009").is_dir()
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from jzero.train.ckpt_dir import claim; "
+         "held = claim(sys.argv[1], 'test', False); print('claimed', flush=True); time.sleep(120)", str(ck)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck)]
+        assert main(argv) == 2
+        assert f"in use by another jzero run (pid {holder.pid}" in one_line(capsys.readouterr().err)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # a dead holder's lock is gone with it
+
+
+def test_checkpoint_dir_that_is_a_file_fails_before_training(capsys, tmp_path):
+    (tmp_path / "ck").write_text("mine")
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=tmp_path / "ck")]
+    assert main(argv) == 2
+    assert "is a file, not a directory" in one_line(capsys.readouterr().err)
+    assert (tmp_path / "ck").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def test_overwritten_arrays_are_caught_by_resume_and_verify(base, capsys, tmp_path):
+    """Step 6's files replaced by step 3's: every file is valid, the values are not step 6's."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    shutil.rmtree(step_dir(ck, STEPS) / "state")
+    shutil.copytree(step_dir(ck, 3) / "state", step_dir(ck, STEPS) / "state")
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, zero__path="flat"), "--resume", str(ck)]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"checkpoint step {STEPS} in {ck} is damaged" in line and "differ from the fingerprints" in line
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    captured = capsys.readouterr()
+    assert "step 3: verified" in captured.out and f"step {STEPS}: DAMAGED" in captured.out
+    assert f"damaged checkpoint steps in {ck}: {STEPS}" in one_line(captured.err)
+
+
+def test_truncated_step_falls_back_quietly_moves_aside_and_is_saved_again(base, capsys, tmp_path):
     root, rows = base
     ck = tmp_path / "ck"
     shutil.copytree(root / "ck", ck)
-    for f in (ck / str(STEPS) / "state").rglob("*"):
+    for f in (step_dir(ck, STEPS) / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":  # the array data files
             f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
-    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, zero__path="flat"), "--resume", str(ck)]
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    assert f"step {STEPS}: DAMAGED: unreadable" in capsys.readouterr().out
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, zero__path="flat", checkpoint__every=3),
+            "--resume", str(ck)]
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert f"checkpoint step {STEPS}" in err and "unreadable" in err
+    line = one_line(capsys.readouterr().err)
+    assert f"checkpoint step {STEPS}" in line and "unreadable" in line and "--resume-fallback" in line
     assert main(argv + ["--resume-fallback"]) == 0
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert f"checkpoint step {STEPS}" in line and "moved it to" in line and "Traceback" not in captured.err
+    assert f"resuming from checkpoint step 3 in {ck}" in captured.out
     assert [r["step"] for r in metrics(tmp_path / "o")] == [4, 5, 6, 7, 8]
+    assert [p.name.split("-")[0] for p in (ck / "damaged").iterdir()] == [f"step_{STEPS:08d}"]
+    assert saved_steps(ck) == [3, 6, 8]  # step 6 saved again, this time whole
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 0
+
+
+# ---------------------------------------------------------------- failing and stopped runs
+
+
+def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
+    """A write limit (as from a full disk) makes the first save fail: exit 2, one line, no hang."""
+    args = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=50, checkpoint__dir=tmp_path / "ck",
+            checkpoint__every=2)]
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (30000, 30000)); "
+    proc = subprocess.run(
+        [sys.executable, "-c", limit + "import sys; from jzero.cli import console; sys.argv[0] = 'jzero'; console()",
+         *args], capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = [line for line in proc.stderr.splitlines() if "cuda" not in line and "absl::InitializeLog" not in line]
+    assert len(err) == 1 and err[0].startswith("jzero: error: saving checkpoint step 2 to "), proc.stderr[-3000:]
+    assert saved_steps(tmp_path / "ck") == []
+    assert len(metrics(tmp_path / "o")) < 50
+
+
+def test_sigterm_saves_the_step_and_exits_143(tmp_path):
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    args = ["train", "--out", str(out), *TINY, *sets(train__steps=100000, checkpoint__dir=ck, checkpoint__every=1000)]
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert f"jzero: stopped: SIGTERM: stopped after step {last}; checkpoint step {last} is in" in err
+    assert saved_steps(ck) == [last]
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
@@ -115,12 +259,12 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     )
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len([p for p in ck.glob("*") if p.name.isdigit()]) < 3:
+        while time.time() < deadline and len(saved_steps(ck)) < 3:
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)  # saving every step: the kill lands in or between saves
     finally:
         proc.wait()
-    committed = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+    committed = saved_steps(ck)
     assert committed, "no checkpoint was committed before the kill"
     proc = cli("train", "--out", str(tmp_path / "r"), *TINY, *sets(train__steps=committed[-1] + 1, checkpoint__dir=ck),
                "--resume")

@@ -1,10 +1,14 @@
-"""Two processes x 4 CPU devices over loopback train like one process with 8 devices."""
+"""Multi-process runs over 127.0.0.1: `jzero launch --local 2` trains like one process with all the
+devices, and every way a run can go wrong ends within its bound, each process with one line."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +16,15 @@ import pytest
 from jzero.cli import main
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
-        "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--set", "train.steps=4", "--quiet"]
+        "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--quiet"]
+TIMEOUT_S, HEARTBEAT_S = 6, 4  # distributed.*: small, so every failure below ends in seconds
+FAST = ["--set", f"distributed.timeout_s={TIMEOUT_S}", "--set", f"distributed.heartbeat_timeout_s={HEARTBEAT_S}",
+        "--set", "train.host_devices=4"]
+STARTUP_S = 60  # importing JAX and compiling, 2-4 processes on 2 cores, before any bound starts
+IMPORT_S = 20  # starting Python and importing JAX, before the join's bound starts
+# JAX's CUDA plugin logs these at import, before absl logging is set up: nothing can silence them.
+NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 def _free_port() -> int:
@@ -21,27 +33,183 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _jzero(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jzero.cli", *args], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _train(port: int, n: int, me: int, out: Path, *extra: str) -> subprocess.Popen:
+    return _jzero("train", "--out", str(out), *TINY, *FAST, *extra,
+                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(me))
+
+
+def _ends(procs: list[subprocess.Popen], within: float) -> list[tuple[int, str, float]]:
+    """(exit code, stderr, seconds) of each process, all waited for at most `within` seconds."""
+    t0, results = time.monotonic(), []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(0.1, within - (time.monotonic() - t0)))
+            results.append((p.returncode, err, time.monotonic() - t0))
+    finally:
+        for p in procs:
+            p.kill()
+    return results
+
+
+def _lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip() and not any(n in line for n in NOISE)]
+
+
+def _one_line(stderr: str) -> str:
+    lines = _lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("jzero: error: "), stderr[-3000:]
+    return lines[0].removeprefix("jzero: error: ")
+
+
 @pytest.mark.parametrize("path", ["spec", "flat"])
-def test_two_processes_match_one(path, tmp_path):
-    sets = ["--set", f"zero.path={path}", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
+def test_launch_two_processes_train_like_one(path, tmp_path):
+    """ZeRO-2 on 2 processes x 4 CPU devices (dp 4 x tp 2, across processes) = 1 process x 8 devices."""
+    sets = ["--set", "zero.strategy=optim_grads", "--set", f"zero.path={path}", "--set", "mesh.dp=4",
+            "--set", "mesh.tp=2", "--set", "train.steps=5"]
     assert main(["train", "--out", str(tmp_path / "single"), *TINY, *sets]) == 0
     single = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
 
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jzero.cli", "train", "--out", str(tmp_path / "multi"), *TINY, *sets,
-             "--set", "train.host_devices=4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", str(i)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert "per-device memory" in outs[0][0] and "per-device memory" not in outs[1][0]  # process 0 reports
+    launch = _jzero("launch", "--local", "2", "--out", str(tmp_path / "multi"), *TINY, *sets,
+                    "--set", "train.host_devices=4")
+    out, err = launch.communicate(timeout=300)
+    assert launch.returncode == 0, err[-3000:]
+    assert "per-device memory" in out  # process 0's report passes through
     multi = [json.loads(x) for x in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
+    assert len(multi) == len(single) == 5
     np.testing.assert_allclose([m["loss"] for m in multi], [s["loss"] for s in single], rtol=1e-5)
     np.testing.assert_allclose([m["grad_norm"] for m in multi], [s["grad_norm"] for s in single], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--num-processes", "2"], "--num-processes without --coordinator and --process-id"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2"], "without --process-id"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "--process-id 2 must be in"),
+        (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
+        (["--distributed", "--process-id", "0"], "--distributed takes the run's layout from the cluster"),
+        (["--distributed"], "--distributed: JAX detected no cluster"),
+    ],
+)
+def test_incomplete_multiprocess_flags_are_one_line(flags, needle, tmp_path, capsys):
+    """Before, --num-processes alone trained one process as if nothing had been asked."""
+    assert main(["train", "--out", str(tmp_path), *TINY, *flags]) == 2
+    assert needle in _one_line(capsys.readouterr().err)
+
+
+def _started_with(tmp_path, counts_and_ids) -> list[tuple[int, str, float]]:
+    port = _free_port()
+    return _ends([_train(port, n, me, tmp_path) for n, me in counts_and_ids], STARTUP_S + TIMEOUT_S + 10)
+
+
+def test_a_process_count_that_differs_stops_every_process_at_once(tmp_path):
+    """Process 1 says 3 processes, the coordinator 2: JAX itself would run on without noticing."""
+    for code, err, _ in _started_with(tmp_path, [(2, 0), (3, 1)]):
+        assert code == 2
+        assert _one_line(err) == ("process 0 and process 1 were started with different --num-processes (2 and 3): "
+                                  "every process must be given the same")
+
+
+@pytest.mark.parametrize("case", ["coordinator_expects_more", "duplicate_process_id"])
+def test_a_run_that_cannot_form_ends_within_the_timeout(case, tmp_path):
+    """Before, each hung for JAX's 5 minutes, then aborted in C++."""
+    counts_and_ids = {"coordinator_expects_more": [(3, 0), (2, 1)], "duplicate_process_id": [(2, 1), (2, 1)]}[case]
+    for (n, me), (code, err, seconds) in zip(counts_and_ids, _started_with(tmp_path, counts_and_ids)):
+        assert code == 2, err[-3000:]
+        line = _one_line(err)
+        assert line.startswith("could not join the run at 127.0.0.1:")
+        assert f"within {TIMEOUT_S} s as process {me} of {n}: not every process joined" in line
+        assert seconds < IMPORT_S + TIMEOUT_S + 5  # process 0 waits 5 s more, so the others report first
+
+
+def test_distributed_takes_the_layout_from_slurm_and_is_bounded_too(tmp_path):
+    """--distributed as `srun` would start process 1 of 2, with no process 0: JAX's SLURM detection
+    names the run, and the join ends within the timeout like a run started by hand."""
+    port = _free_port()
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID="1",
+                 SLURM_LOCALID="1", JAX_COORDINATOR_PORT=str(port))
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", "train", "--distributed", "--out", str(tmp_path),
+                             *TINY, *FAST], env=dict(ENV, **slurm), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ((code, err, seconds),) = _ends([proc], IMPORT_S + TIMEOUT_S + 5)
+    assert code == 2
+    line = _one_line(err)
+    assert line.startswith(f"could not join the run at localhost:{port} within {TIMEOUT_S} s as process 1 of 2")
+    assert seconds < IMPORT_S + TIMEOUT_S
+
+
+def test_a_coordinator_port_in_use_is_reported_at_once(tmp_path):
+    """Before, process 0 segfaulted (a listening socket) or shared the port with the other run (gRPC)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ((code, err, seconds),) = _ends([_train(port, 2, 0, tmp_path)], STARTUP_S)
+    assert code == 2 and _one_line(err).startswith(f"the coordinator port {port} is already in use on this host")
+    assert seconds < IMPORT_S
+
+
+def _wait_for_steps(out: Path, steps: int, procs: list[subprocess.Popen]) -> None:
+    t0 = time.monotonic()
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert time.monotonic() - t0 < 2 * STARTUP_S and all(p.poll() is None for p in procs), "no steps"
+        time.sleep(0.1)
+
+
+def test_a_killed_process_ends_the_other_with_one_line(tmp_path):
+    """Before, the survivor lived ~90 s more (JAX's heartbeat timeout), then aborted in C++."""
+    port = _free_port()
+    procs = [_train(port, 2, me, tmp_path, "--set", "train.steps=100000") for me in (0, 1)]
+    _wait_for_steps(tmp_path, 2, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    (code, err, seconds), _ = _ends(procs, HEARTBEAT_S + 20)
+    assert code == 2 and _one_line(err) == "process 1 of 2 stopped responding; exiting"
+    assert seconds < HEARTBEAT_S + 5
+
+
+def test_launch_names_the_process_that_died(tmp_path):
+    launch = _jzero("launch", "--local", "2", "--out", str(tmp_path), *TINY, *FAST, "--set", "train.steps=2000")
+    children = []
+    try:
+        _wait_for_steps(tmp_path, 2, [launch])
+        children = [int(pid) for pid in Path(f"/proc/{launch.pid}/task/{launch.pid}/children").read_text().split()]
+        for pid in children:
+            args = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if args[args.index("--process-id") + 1] == "1":
+                os.kill(pid, signal.SIGKILL)
+        ((code, err, seconds),) = _ends([launch], HEARTBEAT_S + 30)
+    finally:
+        for pid in [launch.pid, *children]:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+    lines = _lines(err)
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    assert lines[-1] == "jzero: error: process 1 of 2 was killed by SIGKILL; the run stopped"
+    assert "jzero: error: process 1 of 2 stopped responding; exiting" in lines  # process 0's own line
+    assert seconds < HEARTBEAT_S + 5
+
+
+def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
+    """ZeRO-2 on 2 x 4 devices saves steps 1-2, one process with 8 resumes to 4, two again to 6:
+    every step's loss is the uninterrupted single-process run's."""
+    ck = ["--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "checkpoint.every=2"]
+    assert main(["train", "--out", str(tmp_path / "ref"), *TINY, "--set", "train.steps=6"]) == 0
+    launch = _jzero("launch", "--local", "2", "--out", str(tmp_path / "a"), *TINY, *FAST, *ck, "--set", "train.steps=2")
+    _, err = launch.communicate(timeout=300)
+    assert launch.returncode == 0, err[-3000:]
+    assert main(["train", "--out", str(tmp_path / "b"), *TINY, *ck, "--set", "train.steps=4", "--resume"]) == 0
+    launch = _jzero("launch", "--local", "2", "--out", str(tmp_path / "c"), *TINY, *FAST, *ck, "--set", "train.steps=6",
+                    "--resume")
+    _, err = launch.communicate(timeout=300)
+    assert launch.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for part in "abc" for line in (tmp_path / part / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [f"step_{s:08d}" for s in (2, 4, 6)]

@@ -1,17 +1,26 @@
 """orbax checkpoints in model space, restorable onto any mesh, DP size, strategy or path.
 
-One directory per saved step under `checkpoint.dir`, named by the number of steps
-completed (orbax's default), each with two items:
+The directory is one the run owns (`jzero.train.ckpt_dir`: marker, lock, step names). One
+folder per saved step, `step_<8 digits>` (the number of steps completed), with two items:
   state/  arrays, per parameter and unflattened (Megatron's `fully_reshardable`):
           params/..., main_params/... (non-fp32 params only), opt_state/<moment>/...,
           step. Flat-path buckets are converted to this form before saving.
-  meta/   JSON: the writer's config, the data position, every array's shape and dtype.
+  meta/   JSON: jzero's format, the writer's config and run id, the data position, every
+          array's shape, dtype and fingerprint (`jzero.train.integrity`).
 orbax writes each step to a temporary directory and commits it atomically, so a run
-killed mid-save leaves the previous checkpoints intact and invisible partial ones.
+killed mid-save leaves the previous checkpoints intact and invisible partial ones. Every
+restore checks each array against its fingerprint: overwritten or truncated data is named
+by step, never trained on. All processes of a run save and restore jointly; a checkpoint
+restores onto any process count.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +28,48 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jzero import multihost
 from jzero.config import Config, to_dict
-from jzero.errors import CheckpointError
+from jzero.errors import CheckpointError, RunError
+from jzero.train import ckpt_dir
+from jzero.train.integrity import fingerprints
 from jzero.zero.state import TrainState, ZeroState
+
+
+class DamagedStep(CheckpointError):
+    """A saved step whose files are unreadable or whose arrays differ from their fingerprints."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+def _reason(e: BaseException) -> str:
+    """An exception from orbax/TensorStore as one short line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:160]}{'...' if len(first) > 160 else ''}"
+
+
+def _quiet_abandoned_io() -> None:
+    """After a failed save or restore, TensorStore completes the writes and reads orbax abandoned,
+    and their callbacks find orbax's event loop closed: Python reports each as an unraisable
+    RuntimeError, hundreds of tracebacks after jzero's one line. Installed once (by the first
+    Checkpointer), this drops exactly those; every other unraisable error reaches the old hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jzero", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.jzero = True
+    sys.unraisablehook = hook
+
+
+def config_sha256(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
 
 
 def _key(k) -> str:
@@ -66,16 +114,46 @@ def _names(nested: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class Checkpointer:
-    """Saves and restores a run's TrainState in model space with an orbax CheckpointManager."""
+    """Saves and restores a run's TrainState in model space with an orbax CheckpointManager.
 
-    def __init__(self, directory: str | Path, run, keep: int = 3, async_save: bool = True):
-        self.directory = Path(directory).resolve()
+    writer=True claims `directory` for this run (`ckpt_dir.claim`: refuses a directory that is
+    not jzero's, or holds another run's steps unless `resume`, or is locked by a live run) and
+    keeps the newest `keep` steps; writer=False only reads a jzero checkpoint directory.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        run,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        writer: bool = True,
+        resume: bool = False,
+    ):
         self.run = run
+        self._claim = None
+        _quiet_abandoned_io()
+        if writer:
+            self._claim = multihost.on_process_0(
+                lambda: ckpt_dir.claim(directory, config_sha256(run.cfg), resume), CheckpointError
+            )
+            self.directory = Path(directory).resolve()
+        else:
+            self.directory = ckpt_dir.open_for_reading(directory)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep if writer else None,
+                enable_async_checkpointing=async_save,
+                create=False,
+                read_only=not writer,
+                step_name_format=ckpt_dir.StepNames(),
+                cleanup_tmp_directories=writer,  # a killed run's uncommitted step_*.orbax-checkpoint-tmp
+            ),
             item_names=("state", "meta"),
         )
+        self._saving: int | None = None  # the step of the save in flight
         zero = run.zero
         self._to_model = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)
         self._from_model = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)
@@ -104,21 +182,49 @@ class Checkpointer:
             jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard)
         )
 
-    # ------------------------------------------------------------ save / restore
+    # ------------------------------------------------------------ save
 
     def save(self, state: TrainState, cfg: Config) -> None:
-        """Saves after `state.step` completed steps (async unless configured otherwise)."""
+        """Saves after `state.step` completed steps (async unless configured otherwise).
+
+        Raises RunError, on every process, if this save or the one before it failed.
+        """
+        self.check_saved()
         step = int(state.step)
         nested = self._model_state(state)
+        sums = _names(jax.device_get(fingerprints(nested)))
         meta = {
+            "format": ckpt_dir.FORMAT,
+            "run_id": self._claim.run_id if self._claim is not None else None,
             "config": to_dict(cfg),
             "step": step,
             "data": {"kind": cfg.data.kind.value, "seed": cfg.train.seed, "position": step},
-            "arrays": {n: {"shape": list(x.shape), "dtype": str(x.dtype)} for n, x in _names(nested).items()},
+            "arrays": {
+                n: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": int(sums[n])}
+                for n, x in _names(nested).items()
+            },
         }
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(nested), meta=ocp.args.JsonSave(meta))
-        )
+        self._saving = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(nested), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+        except Exception as e:
+            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {_reason(e)}") from None
+
+    def check_saved(self) -> None:
+        """Waits for the save in flight; RunError if it failed (orbax reports it here, once)."""
+        if self._saving is None:
+            return
+        step, self._saving = self._saving, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {_reason(e)}") from None
+
+    # ------------------------------------------------------------ restore
 
     def steps(self) -> list[int]:
         """Complete (committed) checkpoints, oldest first."""
@@ -128,33 +234,33 @@ class Checkpointer:
         return read_meta(self.directory, step, self.manager)
 
     def restore(self, step: int) -> TrainState:
-        """Restores `step` straight into this run's shardings (no array is gathered whole)."""
-        meta = self.meta(step)
+        """Restores `step` straight into this run's shardings (no array is gathered whole).
+
+        Raises DamagedStep if its files are unreadable or an array differs from its fingerprint,
+        CheckpointError if it does not fit the model.
+        """
+        try:
+            meta = self.meta(step)
+        except CheckpointError as e:
+            raise DamagedStep(step, str(e)) from None
         target = self._abstract_model_state()
-        want = {n: (list(x.shape), str(x.dtype)) for n, x in _names(target).items()}
-        have = {n: (a["shape"], a["dtype"]) for n, a in meta["arrays"].items()}
-        bad = sorted(
-            f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model {want[n][0] if n in want else 'absent'}"
-            for n in set(want) | set(have)
-            if n != "step" and (n not in want or n not in have or want[n][0] != have[n][0])
-        )
-        if bad:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} does not fit the model ({len(bad)} arrays): "
-                + "; ".join(bad[:20])
-            )
-        dtypes = {n for n in set(want) & set(have) if want[n][1] != have[n][1]}
-        if dtypes:
-            raise CheckpointError(
-                f"checkpoint step {step}: dtypes differ for {sorted(dtypes)[:5]} (precision.param_dtype?)"
-            )
+        _check_fits(step, self.directory, meta, target)
+        restored, failure = None, None
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is unreadable: {type(e).__name__}: {e}"
-            ) from None
+            failure = f"checkpoint step {step} in {self.directory} is unreadable: {_reason(e)}"
+        failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
+        if failure is not None:
+            raise DamagedStep(step, failure)
         nested = restored.state
+        bad = _mismatched(meta, nested)
+        if bad:
+            raise DamagedStep(
+                step,
+                f"checkpoint step {step} in {self.directory} is damaged: {len(bad)} arrays differ from the "
+                f"fingerprints saved with them ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})",
+            )
         abstract = jax.eval_shape(self.run.init_state)
         main = from_nested(nested["main_params"], abstract.params) if "main_params" in nested else None
         like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state
@@ -163,42 +269,110 @@ class Checkpointer:
         params = from_nested(nested["params"], abstract.params)
         return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32))
 
-    def restore_latest(self, fallback: bool = False) -> tuple[TrainState, int]:
-        """The newest complete checkpoint; with `fallback`, older ones if it is unreadable."""
+    def restore_latest(self, fallback: bool = False, say: Callable[[str], None] = print) -> tuple[TrainState, int]:
+        """The newest complete checkpoint, as (state, step).
+
+        A damaged newest step is an error naming it; with `fallback`, it is moved aside to
+        `damaged/` (so this run can save that step again), `say` reports it in one line, and
+        the next older step is tried.
+        """
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        errors = []
         for step in reversed(steps):
             try:
                 return self.restore(step), step
-            except CheckpointError as e:
-                if not fallback or "does not fit the model" in str(e):
-                    raise
-                errors.append(str(e))
-        raise CheckpointError("no readable checkpoint: " + " | ".join(errors))
+            except DamagedStep as e:
+                if not fallback:
+                    raise CheckpointError(
+                        f"{e}; --resume-fallback resumes from the newest undamaged step and moves this one aside"
+                    ) from None
+                move = functools.partial(ckpt_dir.move_aside, self.directory, step)
+                moved = multihost.on_process_0(move, CheckpointError)
+                multihost.barrier(f"jzero-moved-{step}")
+                self.manager.reload()
+                if jax.process_index() == 0:
+                    say(f"jzero: {e}; moved it to {moved}")
+        raise CheckpointError(f"no undamaged checkpoint left in {self.directory} (damaged ones: {ckpt_dir.DAMAGED}/)")
 
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+    def close(self, check: bool = True) -> None:
+        """Waits for the save in flight (RunError if it failed and `check`), releases the directory."""
+        try:
+            if check:
+                self.check_saved()
+            self.manager.close()
+        finally:
+            if self._claim is not None:
+                self._claim.release()
+
+
+def _check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
+    want = {n: (list(x.shape), str(x.dtype)) for n, x in _names(target).items()}
+    have = {n: (a["shape"], a["dtype"]) for n, a in meta["arrays"].items()}
+    bad = sorted(
+        f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model {want[n][0] if n in want else 'absent'}"
+        for n in set(want) | set(have)
+        if n != "step" and (n not in want or n not in have or want[n][0] != have[n][0])
+    )
+    if bad:
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} does not fit the model ({len(bad)} arrays): " + "; ".join(bad[:20])
+        )
+    dtypes = {n for n in set(want) & set(have) if want[n][1] != have[n][1]}
+    if dtypes:
+        raise CheckpointError(
+            f"checkpoint step {step}: dtypes differ for {sorted(dtypes)[:5]} (precision.param_dtype?)"
+        )
+
+
+def _mismatched(meta: dict, nested: dict) -> list[str]:
+    """Names of the restored arrays whose fingerprint differs from the one saved in `meta`."""
+    sums = _names(jax.device_get(fingerprints(nested)))
+    return sorted(n for n, a in meta["arrays"].items() if int(sums[n]) != a["fingerprint"])
 
 
 def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager | None = None) -> dict:
-    manager = manager or ocp.CheckpointManager(Path(directory).resolve(), item_names=("state", "meta"))
+    manager = manager or _reader(directory)
     try:
         return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory}: metadata unreadable ({type(e).__name__}: {e})"
-        ) from None
+        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({_reason(e)})") from None
+
+
+def _reader(directory: str | Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        Path(directory).resolve(),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False, step_name_format=ckpt_dir.StepNames()),
+        item_names=("state", "meta"),
+    )
+
+
+def _verify(directory: Path, step: int, manager: ocp.CheckpointManager) -> str | None:
+    """Reads every array of `step` on this host's first device; the problem in one line, or None."""
+    try:
+        meta = read_meta(directory, step, manager)
+    except CheckpointError as e:
+        return str(e)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target: dict = {}
+    for name, a in meta["arrays"].items():
+        *path, leaf = name.split("/")
+        node = target
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = jax.ShapeDtypeStruct(tuple(a["shape"]), jnp.dtype(a["dtype"]), sharding=device)
+    try:
+        nested = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+    except Exception as e:
+        return f"unreadable: {_reason(e)}"
+    bad = _mismatched(meta, nested)
+    return f"{len(bad)} arrays differ from their fingerprints ({', '.join(bad[:3])})" if bad else None
 
 
 def describe(directory: str | Path) -> str:
     """`jzero ckpt info`: steps, the writer's strategy/mesh/dtypes, per-array shapes."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    manager = ocp.CheckpointManager(directory.resolve(), item_names=("state", "meta"))
+    directory = ckpt_dir.open_for_reading(directory)
+    manager = _reader(directory)
     steps = sorted(manager.all_steps())
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {directory}")
@@ -217,11 +391,19 @@ def describe(directory: str | Path) -> str:
     return "\n".join(lines)
 
 
+def verify_steps(directory: str | Path) -> dict[int, str | None]:
+    """`jzero ckpt info --verify`: every step's problem in one line (None = all arrays check out).
+
+    Reads each step whole onto this host's first device, one step at a time.
+    """
+    directory = ckpt_dir.open_for_reading(directory)
+    manager = _reader(directory)
+    return {step: _verify(directory, step, manager) for step in sorted(manager.all_steps())}
+
+
 def resolve_resume_dir(cfg: Config, resume: str | None) -> Path:
     directory = resume or cfg.checkpoint.dir
     if directory is None:
         raise CheckpointError("--resume needs a directory: pass one or set checkpoint.dir")
-    if not Path(directory).is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    return Path(directory)
+    return ckpt_dir.open_for_reading(directory)
 

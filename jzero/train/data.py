@@ -1,8 +1,11 @@
-"""Deterministic token batches: `batch(step)` depends only on (seed, step), so any
-step can be reproduced (and a resumed run sees exactly the batches it would have).
+"""Deterministic token batches: row r of step s depends only on (seed, s, r), so any
+step can be reproduced (a resumed run sees exactly the batches it would have) and any
+split of a step's rows gives the same global batch.
 
-Batches are numpy int32 `[global_batch, seq_len + 1]` (inputs + shifted targets);
-the caller places them on the mesh split over the data-parallel domain.
+A step's global batch is numpy int32 `[global_batch, seq_len + 1]` (inputs + shifted
+targets). `rows(step, start, stop)` makes only the rows `[start, stop)`: each process
+reads the rows its own devices hold (`jzero.train.loop.Run.device_batch`), and no
+process materialises the whole global batch.
 """
 
 from __future__ import annotations
@@ -17,11 +20,30 @@ from jzero.config import Config, ConfigError, DataKind
 MAX_TEXT_BYTES = 16 * 2**20  # plenty for tiny models; keeps start-up fast
 
 
-class SyntheticData:
+class Dataset:
+    """A step's rows `[global_batch, seq_len + 1]`, row r a pure function of (seed, step, r)."""
+
+    shape: tuple[int, int]  # [global_batch, seq_len + 1]
+
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        """Rows `[start, stop)` of `step`'s global batch: int32 `[stop - start, seq_len + 1]`."""
+        raise NotImplementedError
+
+    def batch(self, step: int) -> np.ndarray:
+        """`step`'s whole global batch: int32 `[global_batch, seq_len + 1]`."""
+        return self.rows(step, 0, self.shape[0])
+
+    def _check_rows(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"rows [{start}, {stop}) are not within the global batch of {self.shape[0]}")
+
+
+class SyntheticData(Dataset):
     """Sequences from a fixed, seeded random Markov chain over the vocabulary.
 
     The chain has a few likely successors per token, so the loss can fall well
-    below log(vocab_size): a model that learns anything shows it.
+    below log(vocab_size): a model that learns anything shows it. Each row draws from
+    its own generator, seeded by (seed, step, row).
     """
 
     def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int):
@@ -32,24 +54,28 @@ class SyntheticData:
         self.cdf = np.cumsum(probs / probs.sum(1, keepdims=True), axis=1)
         self.vocab_size, self.seed = vocab_size, seed
 
-    def batch(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, 2, step])
-        b, t = self.shape
-        out = np.empty(self.shape, np.int32)
-        out[:, 0] = rng.integers(0, self.vocab_size, b)
-        u = rng.random((b, t))
-        for i in range(1, t):
-            rows = self.cdf[out[:, i - 1]]
-            out[:, i] = np.minimum((rows < u[:, i, None]).sum(1), self.vocab_size - 1)
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        self._check_rows(start, stop)
+        t = self.shape[1]
+        out = np.empty((stop - start, t), np.int32)
+        u = np.empty((stop - start, t - 1))  # uniforms that pick each next token
+        for i, row in enumerate(range(start, stop)):
+            rng = np.random.default_rng([self.seed, 2, step, row])  # a generator per row: any split agrees
+            out[i, 0] = rng.integers(0, self.vocab_size)
+            u[i] = rng.random(t - 1)
+        for i in range(1, t):  # all rows at once, one position at a time
+            cdf = self.cdf[out[:, i - 1]]  # [rows, vocab]
+            out[:, i] = np.minimum((cdf < u[:, i - 1, None]).sum(1), self.vocab_size - 1)
         return out
 
 
-class TextData:
+class TextData(Dataset):
     """Byte-level tokens from every `*.py` / `*.txt` / `*.md` file under a directory
     (installed packages excluded, so the default stdlib text is the same on every machine).
 
     Files are read in sorted path order into one byte stream; each sequence starts
-    at an offset drawn from (seed, step).
+    at an offset drawn from (seed, step): the step's generator draws all global_batch
+    offsets (cheap ints), and only the requested rows' tokens are gathered.
     """
 
     SUFFIXES = (".py", ".txt", ".md")
@@ -77,14 +103,15 @@ class TextData:
             raise ConfigError(f"data.path={str(root)!r} holds only {len(self.tokens)} bytes of text")
         self.seed = seed
 
-    def batch(self, step: int) -> np.ndarray:
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        self._check_rows(start, stop)
         rng = np.random.default_rng([self.seed, 3, step])
         b, t = self.shape
-        starts = rng.integers(0, len(self.tokens) - t, b)
-        return self.tokens[starts[:, None] + np.arange(t)].astype(np.int32)
+        offsets = rng.integers(0, len(self.tokens) - t, b)[start:stop]  # all b drawn: row r's is the r-th
+        return self.tokens[offsets[:, None] + np.arange(t)].astype(np.int32)
 
 
-def make_dataset(cfg: Config) -> SyntheticData | TextData:
+def make_dataset(cfg: Config) -> Dataset:
     m, t = cfg.model, cfg.train
     if cfg.data.kind == DataKind.SYNTHETIC:
         return SyntheticData(m.vocab_size, m.seq_len, t.global_batch, t.seed)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jzero import multihost
 from jzero.config import Config, OptimizerName, resolve_mesh
+from jzero.errors import Preempted, RunError
 from jzero.mesh import make_mesh
 from jzero.train.data import make_dataset
 from jzero.train.model import GPTModel
@@ -82,13 +87,23 @@ class Run:
         return self.zero.init_state(self.model.init)
 
     def device_batch(self, step: int) -> jax.Array:
-        """The global batch of `step`, split over the data-parallel domain.
+        """The global batch of `step`, int32 `[B, seq_len + 1]` with B split over the dense DP
+        domain (`batch_sharding`).
 
-        Every process computes the same global batch (it is a pure function of the step)
-        and places only the rows of its own devices, so this also holds on many hosts.
+        Each process reads from the dataset only the rows its own devices hold, so no process
+        materialises the whole global batch; a row is a pure function of (seed, step, row), so
+        every process's rows belong to the same global batch.
         """
-        batch = self.dataset.batch(step)
-        return jax.make_array_from_callback(batch.shape, self.zero.batch_sharding, lambda index: batch[index])
+        shape = self.dataset.shape
+        rows: dict[tuple[int, int], np.ndarray] = {}  # tp replicas hold the same rows: read them once
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            start, stop, _ = index[0].indices(shape[0])
+            if (start, stop) not in rows:
+                rows[start, stop] = self.dataset.rows(step, start, stop)
+            return rows[start, stop][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
 
 
 def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
@@ -126,11 +141,17 @@ def train(
     Args:
       resume: None = start fresh; "" = resume from `checkpoint.dir`; else a checkpoint
         directory. Continues from its newest complete step (onto this config's mesh,
-        strategy and path); checkpoints keep going to `checkpoint.dir` (default: there).
-      resume_fallback: if the newest checkpoint is unreadable, use the one before it.
+        strategy and path); checkpoints keep going to `checkpoint.dir` (default: there),
+        and `metrics.jsonl` is continued, not rewritten.
+      resume_fallback: if the newest checkpoint is damaged, move it aside and use the one before it.
     Returns:
       the summary (see `report.summarize`), None if the checkpoint already reached the end,
       {} on processes other than 0 (only process 0 writes files and reports).
+    Raises:
+      CheckpointError: checkpoint.dir is not this run's to write (see `jzero.train.ckpt_dir`),
+        or the checkpoint to resume is damaged or does not fit.
+      RunError: a save failed, or the loss is not finite. Preempted: SIGTERM stopped the run
+        after a step, whose checkpoint was saved (with checkpoint.dir set).
     """
     from jzero.train import report
     from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
@@ -138,36 +159,50 @@ def train(
     run = setup(cfg)
     cfg = run.cfg  # mesh.dp resolved
     ck = cfg.checkpoint
+    main_process = jax.process_index() == 0
     resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
-    save_dir = ck.dir or resume_dir
-    ckpt = Checkpointer(save_dir, run, ck.keep, ck.async_) if save_dir is not None else None
+    save_dir = Path(ck.dir).resolve() if ck.dir is not None else resume_dir
+    continuing = resume_dir is not None and save_dir == resume_dir
+    ckpt = None
+    if save_dir is not None:
+        ckpt = Checkpointer(save_dir, run, keep=ck.keep, async_save=ck.async_, resume=continuing)
+    failed = True
     try:
         if resume_dir is None:
             state, start = run.init_state(), 0
         else:
-            reader = ckpt if Path(resume_dir).resolve() == ckpt.directory else Checkpointer(resume_dir, run, ck.keep)
-            state, start = reader.restore_latest(resume_fallback)
+            reader = ckpt if continuing else Checkpointer(resume_dir, run, writer=False)
+            state, start = reader.restore_latest(resume_fallback, say=_tell)
+            if main_process:
+                print(f"resuming from checkpoint step {start} in {resume_dir}")
         if start >= cfg.train.steps:
             print(f"checkpoint step {start} already reached train.steps={cfg.train.steps}: nothing to do")
+            failed = False
             return None
-        main_process = jax.process_index() == 0
         if main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
-        (metrics, state), compile_s = _loop(run, state, start, out_dir if main_process else None, ckpt, progress)
+        with _Preemption() as preemption:
+            (metrics, state), compile_s = _loop(
+                run, state, start, out_dir if main_process else None, ckpt, progress, preemption
+            )
+        failed = False
     finally:
         if ckpt is not None:
-            ckpt.close()  # waits for an in-flight async save
+            ckpt.close(check=not failed)  # waits for the save in flight; reports its failure
     summary = report.summarize(run, state, metrics, compile_s)
-    if not main_process:
-        return {}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    if main_process:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if preemption.stopped_at is not None:
+        saved = f"checkpoint step {preemption.stopped_at} is in {ckpt.directory}" if ckpt else "no checkpoint.dir"
+        raise Preempted(f"SIGTERM: stopped after step {preemption.stopped_at}; {saved}")
+    return summary if main_process else {}
 
 
-def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, progress: bool):
+def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, progress: bool, preemption):
     """Steps `start` .. `train.steps`; returns ((metrics, final state), compile seconds).
 
-    out_dir None: write no metrics file (processes other than 0).
+    out_dir None: write no metrics file (processes other than 0). A SIGTERM (`preemption`)
+    ends the loop after the step it arrives in, with that step saved.
     """
     cfg = run.cfg
     t0 = time.perf_counter()
@@ -178,7 +213,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     metrics = []
     bar = _progress(cfg.train.steps, progress and out_dir is not None)
     bar.update(start)
-    with open(out_dir / "metrics.jsonl" if out_dir else os.devnull, "w") as f:
+    with _metrics_file(out_dir, start) as f:
         for step in range(start, cfg.train.steps):
             batch = run.device_batch(step)
             t = time.perf_counter()
@@ -194,17 +229,66 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 "tokens_per_s": tokens_per_step / dt,
             }
             if not np.isfinite(row["loss"]):
-                raise FloatingPointError(f"loss is {row['loss']} at step {step + 1}")
+                last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
+                raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
             f.write(json.dumps(row) + "\n")
             f.flush()
             metrics.append(row)
             bar.update(1)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}")
-            if ckpt is not None and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps):
+            stop = preemption.requested()
+            due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
+            if ckpt is not None and (due or stop):
                 ckpt.save(state, cfg)
+            if stop:
+                preemption.stopped_at = step + 1
+                break
     bar.close()
     return (metrics, state), compile_s
+
+
+def _metrics_file(out_dir: Path | None, start: int):
+    """metrics.jsonl to append to: a resumed run keeps the rows up to its start step."""
+    if out_dir is None:
+        return open(os.devnull, "w")
+    path = out_dir / "metrics.jsonl"
+    if start == 0 or not path.exists():
+        return open(path, "w")
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a")
+
+
+def _tell(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Preemption:
+    """SIGTERM, a scheduler's pre-emption notice, asks the loop to stop after the current step.
+
+    The handler is installed only from the main thread (Python's rule); a second SIGTERM gets
+    the previous handler back (by default: terminate at once; orbax's atomic commit leaves the
+    last complete checkpoint intact). With many processes, any one's SIGTERM stops all of them
+    after the same step.
+    """
+
+    def __enter__(self) -> _Preemption:
+        self._signalled, self.stopped_at, self._previous = False, None, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self._signalled = True
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def requested(self) -> bool:
+        return multihost.any_process(self._signalled)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _progress(total: int, enabled: bool):

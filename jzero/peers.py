@@ -1,0 +1,189 @@
+"""Watching the other processes of a multi-process run: a lost one ends the run in one line.
+
+Started by `jzero.runtime.start_jax` once the processes have joined; see `Monitor`. Also the
+one-line exit used wherever a hang can only be escaped from a thread (`die`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+from jzero.config import DistributedConfig
+
+KEY = "jzero"  # jzero's keys in JAX's key-value store (jzero.runtime's too)
+
+
+class Monitor:
+    """Watches the run's other processes; if one is lost, every survivor exits naming it.
+
+    A beat thread publishes this process's heartbeat in JAX's key-value store (a counter: clocks
+    differ between hosts) and reads the others': process 0 reads everyone's, the others read
+    process 0's (O(N) reads per beat in all), and all read the exit marks, "done" (this process
+    is leaving normally) or "error:<reason>" (it gave up). A judge thread decides from what the
+    beat thread saw, so a key-value call that hangs (the coordinator stopped) cannot stop it:
+
+    - another process gave up: give up too, with its reason (every process says the same);
+    - another process left (after its own error line or traceback) and this one has not finished
+      `timeout_s` later, or a collective of this one has failed since: give up, naming it;
+    - no answer from the coordinator for `heartbeat_timeout_s`: it is lost;
+    - a watched process silent that long, and not leaving: it is lost;
+    - this process is leaving and a watched one has still not finished, later than the above
+      (so the process still running, which knows more, speaks first).
+
+    Heartbeats come from a thread, so a process blocked in a long compile or a collective is
+    alive; a gap in the judge's own ticks (this process was paused) restarts every clock.
+    """
+
+    def __init__(self, client, me: int, n: int, coordinator: str, t: DistributedConfig):
+        self.client, self.me, self.n, self.coordinator = client, me, n, coordinator
+        self.lost_after, self.leave_within = t.heartbeat_timeout_s, t.timeout_s
+        self.interval = min(max(self.lost_after / 6, 0.2), 5.0)
+        now = time.monotonic()
+        self.beats = {k: (None, now) for k in (range(1, n) if me == 0 else (0,))}  # k -> (counter, when it changed)
+        self.exits: dict[int, tuple[str, float]] = {}  # k -> (its exit mark, when first seen)
+        self.answered = now  # the coordinator's last answer
+        self.left: float | None = None  # when this process began to leave normally
+        self.collective_failed = False
+        self.gave_up = threading.Event()
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        for fn in (self._beat, self._judge):
+            threading.Thread(target=fn, name=f"jzero{fn.__name__}", daemon=True).start()
+        atexit.register(self._leave)  # before JAX's own exit handler (shutdown barrier), registered earlier
+        sys.excepthook = self._excepthook(sys.excepthook)
+
+    def _beat(self) -> None:
+        count, own = 0, f"{KEY}/beat/{self.me}"
+        while True:
+            count += 1
+            try:
+                self.client.key_value_set(own, str(count), allow_overwrite=True)
+                if self.me == 0:
+                    beats = dict(self.client.key_value_dir_get(f"{KEY}/beat/"))
+                else:
+                    beats = {f"{KEY}/beat/0": self.client.key_value_try_get(f"{KEY}/beat/0")}
+                exits = self.client.key_value_dir_get(f"{KEY}/exit/")
+            except Exception:  # no answer: the judge decides when that has gone on too long
+                time.sleep(self.interval)
+                continue
+            now = time.monotonic()
+            with self.lock:
+                for k, (last, _) in self.beats.items():
+                    if beats.get(f"{KEY}/beat/{k}", last) != last:
+                        self.beats[k] = (beats[f"{KEY}/beat/{k}"], now)
+                for key, mark in exits:
+                    k = int(key.rsplit("/", 1)[1])
+                    if self.exits.get(k, ("",))[0] != mark:
+                        self.exits[k] = (mark, now)
+                self.answered = now
+            time.sleep(self.interval)
+
+    def _judge(self) -> None:
+        tick = time.monotonic()
+        while True:
+            time.sleep(self.interval)
+            now = time.monotonic()
+            with self.lock:
+                if now - tick > 3 * self.interval + 1:  # this process was paused, not the others silent
+                    self.answered = now
+                    self.beats = {k: (v, now) for k, (v, _) in self.beats.items()}
+                tick = now
+                verdict = self._verdict(now)
+            if verdict:
+                self._give_up(*verdict)
+
+    def _verdict(self, now: float) -> tuple[str, bool] | None:
+        """(why this process must give up now, whether another process said so first), or None."""
+        for k, (mark, since) in sorted(self.exits.items()):
+            if k == self.me:
+                continue
+            if mark.startswith("error:"):
+                return mark.removeprefix("error:"), True
+            if self.left is None and (self.collective_failed or now - since > self.leave_within):
+                return f"process {k} of {self.n} left the run before process {self.me} finished", False
+        if now - self.answered > self.lost_after:
+            if self.left is not None:
+                return None  # JAX's shutdown has closed the connection
+            return f"lost the coordinator (process 0 at {self.coordinator}): no answer for {self.lost_after} s", False
+        for k, (_, changed) in self.beats.items():
+            if k in self.exits:
+                continue
+            if now - changed > self.lost_after:
+                return f"process {k} of {self.n} stopped responding", False
+            if self.left is not None and now - self.left > self.leave_within + 3 * self.interval + 2:
+                # Late: a process that is still running gives up first, with the better reason.
+                return f"process {k} of {self.n} did not finish within {self.leave_within} s of this one", False
+        return None
+
+    def _give_up(self, reason: str, adopted: bool) -> None:
+        self.gave_up.set()
+        if not (adopted and self.left is not None):  # a process leaving has reported (or succeeded) already
+            say(f"{reason}; exiting")
+        self._mark(f"error:{reason}")
+        if self.me == 0:  # the coordinator goes with this process, and JAX would abort the others: wait for them
+            end = time.monotonic() + 4 * self.interval + 2
+            while time.monotonic() < end:
+                with self.lock:
+                    now = time.monotonic()
+                    if all(now - t > 2 * self.interval for _, t in self.beats.values()):
+                        break
+                time.sleep(self.interval / 4)
+        os._exit(2)
+
+    def _mark(self, mark: str) -> None:
+        """Publishes this process's exit mark; waits at most a second (the coordinator may be gone)."""
+
+        def publish():
+            try:
+                self.client.key_value_set(f"{KEY}/exit/{self.me}", mark, allow_overwrite=True)
+            except Exception:
+                pass
+
+        writer = threading.Thread(target=publish, daemon=True)
+        writer.start()
+        writer.join(1.0)
+
+    def _leave(self) -> None:
+        if not self.gave_up.is_set():
+            with self.lock:
+                self.left = time.monotonic()
+            self._mark("done")
+
+    def _excepthook(self, previous):
+        """A JAX runtime error in the main thread (a collective whose peer is gone) waits for the
+        judge: if a process is lost, its one line replaces the traceback."""
+
+        def hook(kind, value, tb):
+            import jax
+
+            if issubclass(kind, jax.errors.JaxRuntimeError):
+                with self.lock:
+                    self.collective_failed, since = True, time.monotonic()
+                end = since + self.lost_after + 3 * self.interval + 1
+                while time.monotonic() < end and not self.gave_up.wait(self.interval):
+                    with self.lock:  # every watched process beat since: none is lost, so no line is coming
+                        others_left = any(k != self.me for k in self.exits)
+                        if all(t > since + self.interval for _, t in self.beats.values()) and not others_left:
+                            break
+                if self.gave_up.is_set():
+                    time.sleep(4 * self.interval + 5)  # the judge is ending the process
+            previous(kind, value, tb)
+
+        return hook
+
+
+def say(message: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"jzero: error: {message}\n")  # one write: `jzero launch` interleaves whole lines
+    sys.stderr.flush()
+
+
+def die(message: str) -> None:
+    """One line, then exit 2 at once: from a watchdog thread, past a hang in C++."""
+    say(message)
+    os._exit(2)

@@ -1,0 +1,203 @@
+"""The checkpoint directory a run owns: an owner marker, a writer lock, and jzero's step names.
+
+    checkpoint.dir/
+      jzero-checkpoints.json  the owner marker: format, when it was created, every run that wrote here
+      jzero.lock              locked (flock) by the writing run's process 0 while it runs
+      step_00000006/          one saved step (orbax: state/ and meta/ items); a step counts only if
+                              its meta item says it is jzero's, never because a folder name is a number
+      damaged/                steps found damaged, moved aside so the same step can be saved again
+
+jzero writes only into a directory that is new, empty, or marked as its own; a marked directory
+that already holds steps is continued only with `--resume`; nothing it did not write is ever
+deleted or skipped. The lock is advisory (`fcntl.flock`): it holds on local disks and on shared
+filesystems mounted with flock support (Lustre `-o flock`, NFSv4).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from jzero.errors import CheckpointError
+
+FORMAT = "jzero.checkpoint/1"
+MARKER = "jzero-checkpoints.json"
+LOCK = "jzero.lock"
+DAMAGED = "damaged"
+_STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fixed_length=8)
+
+
+def is_step(path: Path) -> bool:
+    """Whether `path` is a committed step jzero wrote (its meta item carries jzero's format)."""
+    try:
+        return json.loads((Path(path) / "meta" / "metadata").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class StepNames(ocp.step.NameFormat):
+    """orbax's step naming (`step_00000006`) that lists only the steps jzero wrote (`is_step`).
+
+    orbax's CheckpointManager takes its step list from here, so its `max_to_keep` clean-up
+    and its "is this step saved already" checks never see a folder jzero did not write.
+    """
+
+    def build_name(self, step: int) -> str:
+        return _STEP_FORMAT.build_name(step)
+
+    def find_all(self, base_path):
+        return (m for m in _STEP_FORMAT.find_all(base_path) if is_step(m.path))
+
+    def find_step(self, base_path, step: int):
+        found = _STEP_FORMAT.find_step(base_path, step)
+        if not is_step(found.path):
+            raise ValueError(f"no jzero checkpoint step {step} in {base_path}")
+        return found
+
+
+def read_marker(directory: Path) -> dict | None:
+    """The owner marker of `directory`; None if it has none."""
+    path = directory / MARKER
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is unreadable ({e})") from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint directory {directory}: {MARKER} has format {marker.get('format')!r}")
+    return marker
+
+
+def steps(directory: Path) -> list[int]:
+    """jzero's committed steps in `directory`, oldest first."""
+    return sorted(m.step for m in StepNames().find_all(directory))
+
+
+def open_for_reading(directory: str | Path) -> Path:
+    """`directory` resolved, if it is a jzero checkpoint directory (has the owner marker)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    if read_marker(directory) is None:
+        raise CheckpointError(
+            f"{directory} is not a jzero checkpoint directory (it has no {MARKER}; jzero writes one into "
+            "every checkpoint.dir it creates)"
+        )
+    return directory.resolve()
+
+
+class Claim:
+    """This run's hold on a checkpoint directory: the lock, and its entry in the owner marker.
+
+    Taken by process 0 only (`claim`); released by `release` or when the process exits.
+    """
+
+    def __init__(self, directory: Path, lock_file, run_id: str):
+        self.directory, self._lock_file, self.run_id = directory, lock_file, run_id
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the file drops the flock
+            self._lock_file = None
+
+
+def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
+    """Makes `directory` this run's checkpoint directory, or refuses with one line saying why.
+
+    Accepted: a new or empty directory (the marker is written), a marked one without steps, and
+    with `resume` a marked one with steps. Refused: a path that is a file, a non-empty directory
+    without the marker, a marked directory with steps unless `resume`, and a directory another
+    live run holds the lock of. Writing the marker is also the check that the directory is writable.
+    """
+    directory = Path(directory).resolve()
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"checkpoint.dir {directory} is a file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir {directory} cannot be created: {e.strerror or e}") from None
+    marker = read_marker(directory)
+    if marker is None:
+        entries = sorted(p.name for p in directory.iterdir())
+        if entries:
+            raise CheckpointError(
+                f"checkpoint.dir {directory} is not empty ({len(entries)} entries: {', '.join(entries[:3])}"
+                f"{', ...' if len(entries) > 3 else ''}) and jzero did not create it (no {MARKER}): "
+                "use a new or empty directory"
+            )
+    lock_file = _lock(directory)
+    try:
+        saved = steps(directory) if marker is not None else []
+        if saved and not resume:
+            last = marker["runs"][-1]
+            raise CheckpointError(
+                f"checkpoint.dir {directory} holds steps {_span(saved)} of an earlier run (started "
+                f"{last['started']} on {last['host']}): pass --resume to continue it, or use a new directory"
+            )
+        run_id = uuid.uuid4().hex[:12]
+        marker = marker or {"format": FORMAT, "created": _now(), "runs": []}
+        marker["runs"].append(
+            {"run_id": run_id, "started": _now(), "host": socket.gethostname(), "pid": os.getpid(),
+             "config_sha256": config_sha256, "resumed_from": saved[-1] if saved else None}
+        )
+        _write_atomic(directory / MARKER, json.dumps(marker, indent=1))
+    except BaseException:
+        lock_file.close()
+        raise
+    return Claim(directory, lock_file, run_id)
+
+
+def move_aside(directory: Path, step: int) -> Path:
+    """Moves a damaged step to `damaged/`, so the run can save that step again; returns where."""
+    target = directory / DAMAGED / f"{StepNames().build_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.parent.mkdir(exist_ok=True)
+    os.rename(directory / StepNames().build_name(step), target)
+    return target
+
+
+def _lock(directory: Path):
+    path = directory / LOCK
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir {directory} is not writable: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise CheckpointError(
+            f"checkpoint.dir {directory} is in use by another jzero run ({holder}): "
+            "wait for it to end or use another directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+    f.flush()
+    return f
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir {path.parent} is not writable: {e.strerror or e}") from None
+
+
+def _span(saved: list[int]) -> str:
+    return ", ".join(map(str, saved)) if len(saved) <= 4 else f"{saved[0]}, ..., {saved[-1]}"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,0 +1,86 @@
+"""Bad input to `jzero train` is one line on stderr naming it, and exit code 2, before JAX starts.
+
+(More config keys in test_cli.py's `test_bad_input_is_one_clear_line`.)
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from jzero import cli
+
+
+@pytest.fixture(autouse=True)
+def no_jax(monkeypatch):
+    """Each input here must be rejected before JAX starts: nothing compiles, nothing is created."""
+
+    def start(*_):
+        raise AssertionError("JAX started before the bad input was rejected")
+
+    monkeypatch.setattr(cli, "_start", start)
+
+
+def error_line(argv: list[str], capsys) -> str:
+    """`jzero <argv>`'s stderr, checked to be one `jzero: error:` line with exit code 2."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jzero: error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=nan", "optimizer.lr=nan must be a finite number"),
+        ("optimizer.lr=.inf", "optimizer.lr=inf must be a finite number"),
+        ("optimizer.lr=0", "optimizer.lr=0.0 must be positive"),
+        ("optimizer.b1=5", "optimizer.b1=5.0 must be in [0, 1)"),
+        ("optimizer.b1=-0.1", "optimizer.b1=-0.1 must be in [0, 1)"),
+        ("optimizer.b2=1", "optimizer.b2=1.0 must be in [0, 1)"),
+        ("optimizer.eps=-1", "optimizer.eps=-1.0 must be positive"),
+        ("optimizer.eps=0", "optimizer.eps=0.0 must be positive"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be >= 0"),
+        ("optimizer.weight_decay=nan", "optimizer.weight_decay=nan must be a finite number"),
+        ("optimizer.clip_grad=0", "optimizer.clip_grad=0.0 must be positive"),
+        ("optimizer.clip_grad=inf", "optimizer.clip_grad=inf must be a finite number"),
+        ("optimizer.param_groups=[{pattern: a, lr_mult: .inf}]",
+         "optimizer.param_groups[0].lr_mult=inf must be a finite number"),
+    ],
+)
+def test_bad_optimizer_value(override, message, tmp_path, capsys):
+    assert error_line(["train", "--out", str(tmp_path), "--set", override], capsys) == f"jzero: error: {message}"
+
+
+@pytest.mark.parametrize("value", ["[", "{a", "'"])
+def test_set_value_that_is_not_yaml(value, tmp_path, capsys):
+    err = error_line(["train", "--out", str(tmp_path), "--set", f"train.steps={value}"], capsys)
+    assert err.startswith(f"jzero: error: --set {f'train.steps={value}'!r}: the value {value!r} is not valid YAML")
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.write_text("mine")
+    assert error_line(["train", "--out", str(out)], capsys) == f"jzero: error: --out {out} is a file, not a directory"
+    assert out.read_text() == "mine"
+
+
+def test_out_is_under_a_file(tmp_path, capsys):
+    out = tmp_path / "file" / "a" / "run"
+    out.parents[1].write_text("mine")
+    err = error_line(["train", "--out", str(out)], capsys)
+    assert err == f"jzero: error: --out {out}: {out.parents[1]} is a file, not a directory"
+    assert sorted(tmp_path.iterdir()) == [out.parents[1]]
+
+
+def test_out_is_not_writable(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root passes every permission check: answer as anyone else would
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and access(p, mode))
+    out = locked / "run"
+    err = error_line(["train", "--out", str(out)], capsys)
+    assert err == f"jzero: error: --out {out}: directory {locked} is not writable"
+    assert list(locked.iterdir()) == []
