@@ -230,23 +230,29 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     assert len(metrics(tmp_path / "o")) < 50
 
 
-def test_sigterm_saves_the_step_and_exits_143(tmp_path):
+def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_path):
+    """The requeue pattern: a job script that always passes --resume starts fresh the first time."""
     ck, out = tmp_path / "ck", tmp_path / "o"
-    args = ["train", "--out", str(out), *TINY, *sets(train__steps=100000, checkpoint__dir=ck, checkpoint__every=1000)]
-    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args], env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = ["train", "--out", str(out), *TINY, *sets(checkpoint__dir=ck, checkpoint__every=1000), "--resume"]
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args, *sets(train__steps=100000)],
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        stdout, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-3000:]
+    assert f"no checkpoint in checkpoint.dir={ck} yet: starting from step 0" in stdout
     last = metrics(out)[-1]["step"]
     assert f"jzero: stopped: SIGTERM: stopped after step {last}; checkpoint step {last} is in" in err
     assert saved_steps(ck) == [last]
+    proc = cli(*args, *sets(train__steps=last + 1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in metrics(out)] == list(range(1, last + 2))
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):

@@ -401,9 +401,20 @@ def verify_steps(directory: str | Path) -> dict[int, str | None]:
     return {step: _verify(directory, step, manager) for step in sorted(manager.all_steps())}
 
 
-def resolve_resume_dir(cfg: Config, resume: str | None) -> Path:
+def resolve_resume_dir(cfg: Config, resume: str | None) -> Path | None:
+    """The checkpoint directory `--resume [DIR]` reads, resolved.
+
+    None when it is `checkpoint.dir` and that holds no step yet (missing, empty, or created by a
+    run that saved nothing): the run starts from step 0 and saves there, so a job script that is
+    requeued can always pass --resume. Any other directory must be a jzero checkpoint directory.
+    """
     directory = resume or cfg.checkpoint.dir
     if directory is None:
         raise CheckpointError("--resume needs a directory: pass one or set checkpoint.dir")
+    path = Path(directory).resolve()
+    if cfg.checkpoint.dir is not None and path == Path(cfg.checkpoint.dir).resolve():
+        if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+            return None
+        if path.is_dir() and ckpt_dir.read_marker(path) is not None and not ckpt_dir.steps(path):
+            return None
     return ckpt_dir.open_for_reading(directory)
-

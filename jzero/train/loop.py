@@ -142,7 +142,8 @@ def train(
       resume: None = start fresh; "" = resume from `checkpoint.dir`; else a checkpoint
         directory. Continues from its newest complete step (onto this config's mesh,
         strategy and path); checkpoints keep going to `checkpoint.dir` (default: there),
-        and `metrics.jsonl` is continued, not rewritten.
+        and `metrics.jsonl` is continued, not rewritten. A `checkpoint.dir` with no step yet
+        starts from step 0 (as Megatron's `--load`), so a job script can always pass --resume.
       resume_fallback: if the newest checkpoint is damaged, move it aside and use the one before it.
     Returns:
       the summary (see `report.summarize`), None if the checkpoint already reached the end,
@@ -161,6 +162,8 @@ def train(
     ck = cfg.checkpoint
     main_process = jax.process_index() == 0
     resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
+    if resume is not None and resume_dir is None and main_process:
+        print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
     save_dir = Path(ck.dir).resolve() if ck.dir is not None else resume_dir
     continuing = resume_dir is not None and save_dir == resume_dir
     ckpt = None
