@@ -54,6 +54,8 @@ def _multiprocess(args: argparse.Namespace) -> dict:
 
 def _cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
+    if args.resume_fallback and args.resume is None:
+        raise ConfigError("--resume-fallback only applies with --resume")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     # Before JAX starts, and creating nothing: could `train` make `out` and write in it?
     name = f"--out {out}" if args.out else f"output directory {out}"
@@ -79,7 +81,11 @@ def _cmd_ckpt_info(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jzero.train.checkpoint import describe, verify_steps
 
-    print(describe(args.dir))
+    try:
+        print(describe(args.dir))
+    except CheckpointError:
+        if not args.verify:  # --verify goes on to name every damaged step
+            raise
     if args.verify:
         problems = verify_steps(args.dir)
         for step, problem in problems.items():
@@ -166,15 +172,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit code (2 for any error reported in one line)."""
     args = _parser().parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.CRITICAL)  # orbax logs every failure with a traceback; we report it
+    # orbax logs every failure with a traceback (absl), and its abandoned async writes as "Task exception was
+    # never retrieved" (asyncio): jzero reports the failure itself, in one line.
+    for library in ("absl", "asyncio"):
+        logging.getLogger(library).setLevel(logging.CRITICAL)
     try:
         return args.fn(args)
     except JzeroError as e:
         _say(f"jzero: {'stopped' if isinstance(e, Preempted) else 'error'}: {e}")
         return getattr(e, "exit_code", 2)
     except OSError as e:  # a file, directory or disk the run was given (ENOSPC, EACCES, ...)
-        where = f" {e.filename}" if e.filename else ""
-        _say(f"jzero: error:{where}: {e.strerror or e}")
+        where = f"{e.filename}: " if e.filename else ""
+        _say(f"jzero: error: {where}{e.strerror or e}")
         return 2
     except KeyboardInterrupt:
         _say("jzero: interrupted")

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jzero.errors import JzeroError
+from jzero.errors import JzeroError, RunError
 
 T = TypeVar("T")
 _MESSAGE_BYTES = 2048
@@ -50,6 +50,17 @@ def first_failure(message: str | None) -> str | None:
         if (text := _decode(row)) is not None:
             return text if i == 0 else f"{text} (process {i})"
     return None
+
+
+def same_everywhere(fact: str, what: str) -> None:
+    """RunError on every process unless every process computed the same `fact` (e.g. what a file
+    system shows it); `what` names the thing that differs."""
+    if jax.process_count() == 1:
+        return
+    rows = np.asarray(multihost_utils.process_allgather(_encode(fact)))
+    for i, row in enumerate(rows[1:], start=1):
+        if not np.array_equal(row, rows[0]):
+            raise RunError(f"process 0 and process {i} see different {what}: {_decode(rows[0])!r} vs {_decode(row)!r}")
 
 
 def any_process(flag: bool) -> bool:

@@ -46,7 +46,7 @@ def step_dir(ck: Path, step: int) -> Path:
 
 
 def saved_steps(ck: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in ck.glob("step_*") if (p / "commit_success.txt").exists())
+    return sorted(int(p.name[5:]) for p in ck.glob("step_" + "[0-9]" * 8) if (p / "commit_success.txt").exists())
 
 
 def one_line(err: str) -> str:
@@ -136,6 +136,12 @@ def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_pat
     assert main(argv) == 2
     assert "holds steps 3, 6 of an earlier run" in one_line(capsys.readouterr().err)
     assert saved_steps(ck) == [3, 6]
+    (ck / "step_00000008").mkdir()  # ... and one where the run would save next: not replaced
+    (ck / "step_00000008" / "notes.txt").write_text("mine")
+    assert main(argv + ["--resume"]) == 2
+    assert "cannot save checkpoint step 8" in one_line(capsys.readouterr().err)
+    assert (ck / "step_00000008" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(ck / "step_00000008")
     assert main(argv + ["--resume", "--set", "checkpoint.keep=1"]) == 0  # continues it; keep=1 deletes only its own
     assert saved_steps(ck) == [8] and (ck / "step_00000009").is_dir()
 
@@ -184,6 +190,27 @@ def test_overwritten_arrays_are_caught_by_resume_and_verify(base, capsys, tmp_pa
     captured = capsys.readouterr()
     assert "step 3: verified" in captured.out and f"step {STEPS}: DAMAGED" in captured.out
     assert f"damaged checkpoint steps in {ck}: {STEPS}" in one_line(captured.err)
+
+
+def test_unreadable_metadata_is_a_damaged_step_not_a_missing_one(base, capsys, tmp_path):
+    """Damaged meta neither hides a step (resuming silently from an older one) nor, once every
+    step is moved aside, lets an always---resume job script start again from step 0."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    for step in (3, STEPS):
+        meta = step_dir(ck, step) / "meta" / "metadata"
+        meta.write_text(meta.read_text()[:20])
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    assert f"step {STEPS}: DAMAGED" in capsys.readouterr().out
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume"]
+    assert main(argv) == 2
+    assert f"checkpoint step {STEPS} in {ck}: metadata unreadable" in one_line(capsys.readouterr().err)
+    assert main(argv + ["--resume-fallback"]) == 2
+    assert "no undamaged checkpoint left" in capsys.readouterr().err
+    assert main(argv) == 2
+    assert "no complete checkpoint" in one_line(capsys.readouterr().err)
+    assert len(list((ck / "damaged").iterdir())) == 2 and not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
 def test_truncated_step_falls_back_quietly_moves_aside_and_is_saved_again(base, capsys, tmp_path):
@@ -267,8 +294,8 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and len(saved_steps(ck)) < 3:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)  # saving every step: the kill lands in or between saves
     finally:
+        proc.send_signal(signal.SIGKILL)  # saving every step: the kill lands in or between saves
         proc.wait()
     committed = saved_steps(ck)
     assert committed, "no checkpoint was committed before the kill"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import sys
 from collections.abc import Callable
@@ -39,29 +40,28 @@ from jzero.zero.state import TrainState, ZeroState
 class DamagedStep(CheckpointError):
     """A saved step whose files are unreadable or whose arrays differ from their fingerprints."""
 
-    def __init__(self, step: int, message: str):
-        super().__init__(message)
-        self.step = step
-
 
 def _reason(e: BaseException) -> str:
     """An exception from orbax/TensorStore as one short line."""
-    first = (str(e).strip().splitlines() or [""])[0]
+    first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
     return f"{type(e).__name__}: {first[:160]}{'...' if len(first) > 160 else ''}"
 
 
 def _quiet_abandoned_io() -> None:
     """After a failed save or restore, TensorStore completes the writes and reads orbax abandoned,
     and their callbacks find orbax's event loop closed: Python reports each as an unraisable
-    RuntimeError, hundreds of tracebacks after jzero's one line. Installed once (by the first
+    RuntimeError, hundreds of tracebacks after jzero's one line; orbax's read coroutines that the
+    failure left unawaited report their errors when collected. Installed once (by the first
     Checkpointer), this drops exactly those; every other unraisable error reaches the old hook."""
     previous = sys.unraisablehook
     if getattr(previous, "jzero", False):
         return
 
     def hook(unraisable):
-        e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+        e, source = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        orbax_read = inspect.iscoroutine(source) and "orbax" in source.cr_code.co_filename  # collected unawaited
+        if not (closed_loop or orbax_read):
             previous(unraisable)
 
     hook.jzero = True
@@ -204,6 +204,11 @@ class Checkpointer:
                 for n, x in _names(nested).items()
             },
         }
+        def refuse_foreign():
+            if (folder := ckpt_dir.foreign_step(self.directory, step)) is not None:
+                raise RunError(f"cannot save checkpoint step {step}: {folder} is not jzero's; move it away")
+
+        multihost.on_process_0(refuse_foreign, RunError)
         self._saving = step
         try:
             self.manager.save(
@@ -242,7 +247,7 @@ class Checkpointer:
         try:
             meta = self.meta(step)
         except CheckpointError as e:
-            raise DamagedStep(step, str(e)) from None
+            raise DamagedStep(str(e)) from None
         target = self._abstract_model_state()
         _check_fits(step, self.directory, meta, target)
         restored, failure = None, None
@@ -252,12 +257,11 @@ class Checkpointer:
             failure = f"checkpoint step {step} in {self.directory} is unreadable: {_reason(e)}"
         failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
         if failure is not None:
-            raise DamagedStep(step, failure)
+            raise DamagedStep(failure)
         nested = restored.state
         bad = _mismatched(meta, nested)
         if bad:
             raise DamagedStep(
-                step,
                 f"checkpoint step {step} in {self.directory} is damaged: {len(bad)} arrays differ from the "
                 f"fingerprints saved with them ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})",
             )
@@ -376,10 +380,19 @@ def describe(directory: str | Path) -> str:
     steps = sorted(manager.all_steps())
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {directory}")
-    meta = read_meta(directory, steps[-1], manager)
+    readable = {}
+    for step in reversed(steps):  # the writer as the newest step with readable metadata says
+        try:
+            readable[step] = read_meta(directory, step, manager)
+            break
+        except CheckpointError:
+            continue
+    if not readable:
+        raise CheckpointError(f"no checkpoint in {directory} has readable metadata (steps {steps}): try --verify")
+    (described, meta), = readable.items()
     c = meta["config"]
     lines = [
-        f"{directory}: steps {', '.join(map(str, steps))} (latest {steps[-1]})",
+        f"{directory}: steps {', '.join(map(str, steps))} (latest {steps[-1]}; writer below from step {described})",
         f"writer: strategy={c['zero']['strategy']} path={c['zero']['path']} "
         f"mesh dp_outer={c['mesh']['dp_outer']} dp={c['mesh']['dp']} ep={c['mesh']['ep']} tp={c['mesh']['tp']} "
         f"param_dtype={c['precision']['param_dtype']} grad_reduce_dtype={c['precision']['grad_reduce_dtype']} "
@@ -415,6 +428,7 @@ def resolve_resume_dir(cfg: Config, resume: str | None) -> Path | None:
     if cfg.checkpoint.dir is not None and path == Path(cfg.checkpoint.dir).resolve():
         if not path.exists() or (path.is_dir() and not any(path.iterdir())):
             return None
-        if path.is_dir() and ckpt_dir.read_marker(path) is not None and not ckpt_dir.steps(path):
+        never_saved = not (path / ckpt_dir.DAMAGED).exists()  # else every step was damaged: an error below
+        if path.is_dir() and ckpt_dir.read_marker(path) is not None and not ckpt_dir.steps(path) and never_saved:
             return None
     return ckpt_dir.open_for_reading(directory)

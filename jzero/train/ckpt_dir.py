@@ -35,18 +35,24 @@ _STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fix
 
 
 def is_step(path: Path) -> bool:
-    """Whether `path` is a committed step jzero wrote (its meta item carries jzero's format)."""
+    """Whether the committed step folder `path` is jzero's: its meta item carries jzero's format,
+    or it has jzero's two items (state/, meta/) and the meta is unreadable: a damaged step, which
+    restoring reports (never a step to skip silently)."""
+    path = Path(path)
     try:
-        return json.loads((Path(path) / "meta" / "metadata").read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+        meta = json.loads((path / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return (path / "meta").is_dir() and (path / "state").is_dir()
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 class StepNames(ocp.step.NameFormat):
     """orbax's step naming (`step_00000006`) that lists only the steps jzero wrote (`is_step`).
 
     orbax's CheckpointManager takes its step list from here, so its `max_to_keep` clean-up
-    and its "is this step saved already" checks never see a folder jzero did not write.
+    never deletes a folder jzero did not write. Such a folder is also invisible to orbax's
+    "is this step saved already" check, so before saving a step the Checkpointer refuses to
+    replace one (`foreign_step`).
     """
 
     def build_name(self, step: int) -> str:
@@ -62,6 +68,12 @@ class StepNames(ocp.step.NameFormat):
         return found
 
 
+def foreign_step(directory: Path, step: int) -> Path | None:
+    """The folder that saving `step` would replace, if jzero did not write it."""
+    path = directory / StepNames().build_name(step)
+    return path if path.exists() and not is_step(path) else None
+
+
 def read_marker(directory: Path) -> dict | None:
     """The owner marker of `directory`; None if it has none."""
     path = directory / MARKER
@@ -71,8 +83,8 @@ def read_marker(directory: Path) -> dict | None:
         marker = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is unreadable ({e})") from None
-    if marker.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint directory {directory}: {MARKER} has format {marker.get('format')!r}")
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("runs"), list):
+        raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is not jzero's marker (edited?)")
     return marker
 
 
@@ -85,7 +97,8 @@ def open_for_reading(directory: str | Path) -> Path:
     """`directory` resolved, if it is a jzero checkpoint directory (has the owner marker)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        what = "is a file, not a directory" if directory.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint directory {directory} {what}")
     if read_marker(directory) is None:
         raise CheckpointError(
             f"{directory} is not a jzero checkpoint directory (it has no {MARKER}; jzero writes one into "
@@ -100,8 +113,8 @@ class Claim:
     Taken by process 0 only (`claim`); released by `release` or when the process exits.
     """
 
-    def __init__(self, directory: Path, lock_file, run_id: str):
-        self.directory, self._lock_file, self.run_id = directory, lock_file, run_id
+    def __init__(self, lock_file, run_id: str):
+        self._lock_file, self.run_id = lock_file, run_id
 
     def release(self) -> None:
         if self._lock_file is not None:
@@ -137,22 +150,23 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
     try:
         saved = steps(directory) if marker is not None else []
         if saved and not resume:
-            last = marker["runs"][-1]
+            last = (marker["runs"] or [{"started": "?", "host": "?"}])[-1]
             raise CheckpointError(
-                f"checkpoint.dir {directory} holds steps {_span(saved)} of an earlier run (started "
-                f"{last['started']} on {last['host']}): pass --resume to continue it, or use a new directory"
+                f"checkpoint.dir {directory} holds steps {_span(saved)} of an earlier run (last started "
+                f"{last['started']} on {last['host']}): continue it with --resume (without a DIR, or with "
+                "this one), or use a new checkpoint.dir"
             )
         run_id = uuid.uuid4().hex[:12]
         marker = marker or {"format": FORMAT, "created": _now(), "runs": []}
         marker["runs"].append(
             {"run_id": run_id, "started": _now(), "host": socket.gethostname(), "pid": os.getpid(),
-             "config_sha256": config_sha256, "resumed_from": saved[-1] if saved else None}
+             "config_sha256": config_sha256, "steps_found": saved}
         )
         _write_atomic(directory / MARKER, json.dumps(marker, indent=1))
     except BaseException:
         lock_file.close()
         raise
-    return Claim(directory, lock_file, run_id)
+    return Claim(lock_file, run_id)
 
 
 def move_aside(directory: Path, step: int) -> Path:

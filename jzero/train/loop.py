@@ -164,6 +164,7 @@ def train(
     resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
     if resume is not None and resume_dir is None and main_process:
         print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
+    multihost.same_everywhere(f"--resume reads {resume_dir}", "checkpoint directories (a path not shared?)")
     save_dir = Path(ck.dir).resolve() if ck.dir is not None else resume_dir
     continuing = resume_dir is not None and save_dir == resume_dir
     ckpt = None
@@ -178,6 +179,7 @@ def train(
             state, start = reader.restore_latest(resume_fallback, say=_tell)
             if main_process:
                 print(f"resuming from checkpoint step {start} in {resume_dir}")
+                _warn_if_other_data(reader.meta(start)["data"], cfg)
         if start >= cfg.train.steps:
             print(f"checkpoint step {start} already reached train.steps={cfg.train.steps}: nothing to do")
             failed = False
@@ -258,9 +260,26 @@ def _metrics_file(out_dir: Path | None, start: int):
     path = out_dir / "metrics.jsonl"
     if start == 0 or not path.exists():
         return open(path, "w")
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= start:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a row cut short by a kill or a full disk
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
     return open(path, "a")
+
+
+def _warn_if_other_data(saved: dict, cfg: Config) -> None:
+    """One line if the resumed run reads another data stream than the checkpoint's writer did
+    (allowed, as in Megatron: continuing on new data is a choice, but rarely a silent one)."""
+    now = {"kind": cfg.data.kind.value, "seed": cfg.train.seed}
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    if changed:
+        _tell(f"jzero: note: the checkpoint was trained on other data ({', '.join(changed)}); continuing on this run's")
 
 
 def _tell(message: str) -> None:
