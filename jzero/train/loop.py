@@ -177,9 +177,10 @@ def train(
         else:
             reader = ckpt if continuing else Checkpointer(resume_dir, run, writer=False)
             state, start = reader.restore_latest(resume_fallback, say=_tell)
+            saved_data = reader.meta(start)["data"]  # every process: orbax reads in step with the others
             if main_process:
                 print(f"resuming from checkpoint step {start} in {resume_dir}")
-                _warn_if_other_data(reader.meta(start)["data"], cfg)
+                _warn_if_other_data(saved_data, cfg)
         if start >= cfg.train.steps:
             print(f"checkpoint step {start} already reached train.steps={cfg.train.steps}: nothing to do")
             failed = False
