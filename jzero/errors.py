@@ -6,6 +6,12 @@ This module imports nothing, so every other module may import it.
 """
 
 
+def one_line(e: BaseException, limit: int = 160) -> str:
+    """A library's exception (JAX, orbax, TensorStore) as one short line: its type and first line."""
+    first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {first[:limit]}{'...' if len(first) > limit else ''}"
+
+
 class JzeroError(Exception):
     """A failure the user can act on; the message is the whole report (no traceback)."""
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from jzero.config import DistributedConfig
-from jzero.errors import ConfigError, RunError
+from jzero.errors import ConfigError, RunError, one_line
 from jzero.peers import KEY, Monitor, die
 
 _SLACK_S = 5  # process 0 holds the coordinator: it gives up this much later, so the others report first
@@ -118,7 +118,7 @@ def _join(coordinator: str | None, n: int | None, me: int | None, t: Distributed
                 shutdown_timeout_seconds=2 * wait + 10,
             )
         except Exception as e:  # e.g. the coordinator's RPC server did not start
-            raise RunError(f"could not join the run at {coordinator} as {who}: {_first_line(e)}") from None
+            raise RunError(f"could not join the run at {coordinator} as {who}: {one_line(e)}") from None
         client = jax_distributed.global_state.client
         flat = {f"{section}.{key}": value for section, keys in config.items() for key, value in keys.items()}
         _agree(client, me, {"--num-processes": n, **flat}, wait)
@@ -134,7 +134,7 @@ def _detect_cluster(timeout_s: int) -> tuple[str, int, int]:
             os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, timeout_s
         )
     except Exception as e:  # e.g. Kubernetes: no permission to read the pod and its job
-        raise RunError(f"--distributed: cluster detection failed: {_first_line(e)}") from None
+        raise RunError(f"--distributed: cluster detection failed: {one_line(e)}") from None
     if None in (address, n, me):
         raise ConfigError(
             "--distributed: JAX detected no cluster (SLURM, Open MPI, Kubernetes, ...; docs/cluster.md); "
@@ -198,7 +198,3 @@ class _Watchdog:
         while not self._done.wait(0.2):
             if time.monotonic() > self.deadline:
                 die(self.message)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from jzero import multihost
 from jzero.config import Config, to_dict
-from jzero.errors import CheckpointError, RunError
+from jzero.errors import CheckpointError, RunError, one_line
 from jzero.train import ckpt_dir
 from jzero.train.integrity import fingerprints
 from jzero.zero.state import TrainState, ZeroState
@@ -39,12 +39,6 @@ from jzero.zero.state import TrainState, ZeroState
 
 class DamagedStep(CheckpointError):
     """A saved step whose files are unreadable or whose arrays differ from their fingerprints."""
-
-
-def _reason(e: BaseException) -> str:
-    """An exception from orbax/TensorStore as one short line."""
-    first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
-    return f"{type(e).__name__}: {first[:160]}{'...' if len(first) > 160 else ''}"
 
 
 def _quiet_abandoned_io() -> None:
@@ -217,7 +211,7 @@ class Checkpointer:
                 force=True,
             )
         except Exception as e:
-            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {_reason(e)}") from None
+            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}") from None
 
     def check_saved(self) -> None:
         """Waits for the save in flight; RunError if it failed (orbax reports it here, once)."""
@@ -227,7 +221,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
-            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {_reason(e)}") from None
+            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}") from None
 
     # ------------------------------------------------------------ restore
 
@@ -254,7 +248,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-            failure = f"checkpoint step {step} in {self.directory} is unreadable: {_reason(e)}"
+            failure = f"checkpoint step {step} in {self.directory} is unreadable: {one_line(e)}"
         failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
         if failure is not None:
             raise DamagedStep(failure)
@@ -340,7 +334,7 @@ def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager |
     try:
         return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:
-        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({_reason(e)})") from None
+        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({one_line(e)})") from None
 
 
 def _reader(directory: str | Path) -> ocp.CheckpointManager:
@@ -368,7 +362,7 @@ def _verify(directory: Path, step: int, manager: ocp.CheckpointManager) -> str |
     try:
         nested = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
     except Exception as e:
-        return f"unreadable: {_reason(e)}"
+        return f"unreadable: {one_line(e)}"
     bad = _mismatched(meta, nested)
     return f"{len(bad)} arrays differ from their fingerprints ({', '.join(bad[:3])})" if bad else None
 
