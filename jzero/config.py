@@ -71,6 +71,25 @@ class PosKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (Switch/GShard): some blocks' MLP becomes `num_experts` MLPs and a router.
+
+    A softmax router sends each token to its `top_k` most probable experts, weighting each
+    expert's output by that probability. Each rank routes its own tokens (per microbatch):
+    an expert takes at most `ceil(capacity_factor * top_k * tokens / num_experts)` of them,
+    first choices before second choices, and drops the rest (`dropped_frac` in the metrics);
+    the load-balancing loss is Switch's (Megatron's `aux_loss`). Expert weights are stacked
+    on an expert dim split over `mesh.ep`; tokens reach them by all-to-all over ep.
+    """
+
+    num_experts: int = 0  # 0 = a dense model
+    top_k: int = 2
+    every: int = 1  # blocks every-1, 2*every-1, ... are MoE (Megatron's moe_layer_freq)
+    capacity_factor: float | None = 1.25  # null = dropless (an expert may take every token)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss, per MoE block
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A GPT: token embeddings, pre-norm attention and MLP blocks.
 
@@ -92,6 +111,7 @@ class ModelConfig:
     pos: PosKind = PosKind.LEARNED
     scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them
     remat: bool = False  # jax.checkpoint on each block: recompute its activations in backward
+    moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +396,8 @@ def to_dict(cfg: Config) -> dict:
     def plain(v):
         if isinstance(v, enum.Enum):
             return v.value
+        if dataclasses.is_dataclass(v):
+            return {_yaml_key(g): plain(getattr(v, g.name)) for g in dataclasses.fields(v)}
         if isinstance(v, tuple):
             return [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else plain(x) for x in v]
         return v
@@ -402,6 +424,8 @@ def _check_finite(prefix: str, section: Any) -> None:
         key, value = f"{prefix}.{_yaml_key(f)}", getattr(section, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
+        if dataclasses.is_dataclass(value):
+            _check_finite(key, value)
         if isinstance(value, tuple):
             for i, item in enumerate(value):
                 if dataclasses.is_dataclass(item):
@@ -438,6 +462,29 @@ def _check_param_groups(o: OptimizerConfig) -> None:
                 raise ConfigError(f"{key}.{field}={value} must be >= 0")
         if rule.wd_mult is not None and o.name != OptimizerName.ADAMW:
             raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw has)")
+
+
+def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
+    moe = m.moe
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0 = a dense model)")
+    if moe.num_experts == 0:
+        return
+    _positive("model.moe.every", moe.every)
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
+    if moe.num_experts % mesh.ep:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be divisible by mesh.ep={mesh.ep}")
+    if moe.every > m.n_layers:
+        raise ConfigError(f"model.moe.every={moe.every} > model.n_layers={m.n_layers}: no block would be MoE")
+    if m.scan_layers and moe.every != 1:
+        raise ConfigError(
+            f"model.scan_layers=true stacks identical blocks: it needs model.moe.every=1, got {moe.every}"
+        )
+    if moe.capacity_factor is not None:
+        _positive("model.moe.capacity_factor", moe.capacity_factor)
+    if not moe.aux_loss_coef >= 0:
+        raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
 
 
 def validate(cfg: Config) -> None:
@@ -484,6 +531,7 @@ def validate(cfg: Config) -> None:
             f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
         )
+    _check_moe(m, mesh)
     if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
     if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:

@@ -24,6 +24,7 @@ DENSE_DP_AXES = ("dp_outer", "dp", "ep")
 EXPERT_DP_AXES = ("dp_outer", "dp")
 BATCH_AXES = DENSE_DP_AXES
 TP_AXIS = "tp"
+EP_AXIS = "ep"
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:

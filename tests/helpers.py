@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import SingleDeviceSharding
@@ -62,16 +63,30 @@ def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
 def reference_run(cfg: Config, steps: int = STEPS):
     """Plain single-device optax on the same batches: (losses, grad norms, params per step).
 
-    Depends only on model, optimizer, data and seed, never on mesh, strategy, path or
-    microbatches, so one run serves every such variant of a config.
+    Depends only on model, optimizer, data and seed, never on strategy or path, so one run
+    serves every such variant of a config. A dense model's loss is a mean over tokens, the
+    same whatever the split; a MoE model routes each rank's microbatch on its own (capacity,
+    load-balancing loss), so the reference routes the same groups of rows: the global batch
+    in dp_domain_size x microbatches contiguous groups (`jzero.zero.batch`), loss averaged.
     """
+    groups = cfg.dp_domain_size * cfg.train.microbatches if cfg.model.moe.num_experts else 1
     train = dataclasses.replace(cfg.train, microbatches=1)
-    return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps)
+    return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps, groups)
+
+
+def grouped_loss(model: GPTModel, groups: int):
+    """The mean of `model.loss` over `groups` contiguous groups of the batch's rows."""
+
+    def loss(params, batch):
+        return jnp.mean(jax.vmap(lambda rows: model.loss(params, rows))(batch.reshape(groups, -1, *batch.shape[1:])))
+
+    return loss if groups > 1 else model.loss
 
 
 @functools.cache
-def _reference_run(cfg: Config, steps: int):
+def _reference_run(cfg: Config, steps: int, groups: int = 1):
     model = GPTModel(cfg.model, seed=cfg.train.seed)
+    loss_fn = grouped_loss(model, groups)
     tx = plain_optax(cfg, model)
     device = jax.devices()[0]
     params = jax.jit(model.init, out_shardings=SingleDeviceSharding(device))()  # jit(device=) is deprecated
@@ -79,7 +94,7 @@ def _reference_run(cfg: Config, steps: int):
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         grads, norm = clip_by_global_norm(grads, cfg.optimizer.clip_grad)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, norm

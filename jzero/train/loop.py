@@ -119,16 +119,18 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
     model = GPTModel(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
     abstract = model.abstract_params()
     zero = build_zero(
-        model.loss,
+        model.loss_and_metrics,
         inner_optimizer(cfg),
         mesh,
         abstract,
         model.tp_specs(abstract),
         cfg.zero,
+        is_expert=model.is_expert(abstract),
         groups=param_groups(cfg, model, abstract),
         clip_grad=cfg.optimizer.clip_grad,
         microbatches=cfg.train.microbatches,
         grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
+        has_aux=True,
     )
     return Run(cfg, model, zero, make_dataset(cfg) if with_data else None)
 
@@ -233,6 +235,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 "lr": float(schedule(step)),
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
+                **{k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm")},  # MoE: aux_loss, dropped_frac
             }
             if not np.isfinite(row["loss"]):
                 last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None

@@ -9,11 +9,16 @@ row-parallel proj/FC2):
   attn/proj/kernel[H_tp, K, D]         query head h = g * R + r
   mlp/fc1/kernel[D, F_tp]              swiglu: [D, 2, F_tp] (gate, up)
   mlp/fc2/kernel[F_tp, D]
+  MoE blocks (`model.moe`, E experts split over ep, `moe.py` for the routing):
+  mlp/router/kernel[D, E]               dense, replicated over tp
+  mlp/experts/fc1/kernel[E_ep, D, F_tp] swiglu: [E_ep, D, 2, F_tp]
+  mlp/experts/fc2/kernel[E_ep, F_tp, D]
 With `scan_layers` every block param gains a leading [L] dim and loses the layer index
 from its name (`blocks/mlp/fc1/kernel[L, D, F_tp]`). The forward derives head counts
 from the kernel shapes, so the same code runs on global arrays under jit (XLA
 partitions it) and on tp-local shards inside `shard_map` (then `tp_axis` names the
-axis the row-parallel outputs are summed over, Megatron's `g` operator).
+axis the row-parallel outputs are summed over, Megatron's `g` operator, and `ep_axis`
+the axis tokens travel over to their experts; without it every expert is local).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import MlpKind, ModelConfig, NormKind, PosKind
+from jzero.mesh import EP_AXIS
+from jzero.train import moe
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
 # Specs are right-aligned on the param's shape (the tp dim counted from the end), so the
@@ -41,16 +48,28 @@ TP_RULES = (
 )
 
 
-def tp_spec(name: str, ndim: int | None = None) -> P:
-    """The tensor-parallel PartitionSpec of the param at path `name` with `ndim` dims.
+EXPERT_PATTERN = r"/experts/"  # expert weights: [E, *dense MLP shape], E split over ep
 
-    The rule's spec covers the trailing dims; leading dims beyond it get None.
+
+def tp_spec(name: str, ndim: int | None = None, stacked: bool = False) -> P:
+    """The model-parallel PartitionSpec of the param at path `name` with `ndim` dims.
+
+    The tp rule's spec covers the trailing dims; leading dims beyond it get None. An
+    expert weight's expert dim (the first, or the second when `stacked` on [L]) is split
+    over ep and its other dims follow the dense MLP's rule.
     """
-    for pattern, spec in TP_RULES:
-        if re.search(pattern, name):
-            pad = 0 if ndim is None else ndim - len(spec)
-            return P(*([None] * pad), *spec)
-    return P()
+    expert = re.search(EXPERT_PATTERN, name) is not None
+    spec = P()
+    for pattern, rule in TP_RULES:
+        if re.search(pattern, name.replace("/experts/", "/")):
+            pad = 0 if ndim is None else ndim - len(rule)
+            spec = P(*([None] * pad), *rule)
+            break
+    if expert:
+        dims = list(spec) + [None] * ((ndim or 0) - len(spec))
+        dims[int(stacked)] = EP_AXIS
+        spec = P(*dims)
+    return spec
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
@@ -160,17 +179,65 @@ class MLP(nnx.Module):
         return _add_bias(_reduce_tp(h @ self.fc2["kernel"][...], tp_axis), self.fc2)
 
 
+class MoE(nnx.Module):
+    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
+        d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.num_experts
+        self.swiglu = cfg.mlp == MlpKind.SWIGLU
+        self.top_k, self.capacity_factor = cfg.moe.top_k, cfg.moe.capacity_factor
+        fc1 = (e, d, 2, f) if self.swiglu else (e, d, f)
+        self.router = nnx.Dict(kernel=_normal(rngs, (d, e), 0.02, dtype))
+        self.experts = nnx.Dict(
+            fc1=_linear(rngs, fc1, 0.02, dtype, (e, *fc1[2:]) if cfg.bias else None),
+            fc2=_linear(rngs, (e, f, d), out_std, dtype, (e, d) if cfg.bias else None),
+        )
+
+    def _experts(self, x, tp_axis):  # x [E_ep, S, D] slots of the local experts
+        fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
+        if self.swiglu:
+            h = jnp.einsum("esd,edgf->gesf", x, fc1["kernel"][...])
+            if "bias" in fc1:
+                h = h + jnp.moveaxis(fc1["bias"][...], 1, 0)[:, :, None]
+            h = jax.nn.silu(h[0]) * h[1]  # [E_ep, S, F_tp]
+        else:
+            h = jnp.einsum("esd,edf->esf", x, fc1["kernel"][...])
+            h = jax.nn.gelu(h + fc1["bias"][...][:, None] if "bias" in fc1 else h)
+        y = _reduce_tp(jnp.einsum("esf,efd->esd", h, fc2["kernel"][...]), tp_axis)
+        return y + fc2["bias"][...][:, None] if "bias" in fc2 else y
+
+    def __call__(self, x, tp_axis=None, ep_axis=None):
+        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac])."""
+        b, t, d = x.shape
+        tokens = x.reshape(b * t, d)
+        e = self.router["kernel"].shape[-1]
+        cap = moe.capacity(b * t, e, self.top_k, self.capacity_factor)
+        routing = moe.route(tokens, self.router["kernel"][...], self.top_k, cap)
+        slots = moe.to_experts(moe.dispatch(tokens, routing, e, cap), ep_axis)
+        y = moe.combine(moe.from_experts(self._experts(slots, tp_axis), ep_axis), routing, b * t)
+        return y.reshape(b, t, d), jnp.stack([routing.aux_loss, routing.dropped_frac])
+
+
+def is_moe_block(cfg: ModelConfig, i: int) -> bool:
+    """Block i's MLP is MoE: blocks every-1, 2*every-1, ... (all of them with every=1)."""
+    return cfg.moe.num_experts > 0 and i % cfg.moe.every == cfg.moe.every - 1
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, is_moe: bool = False):
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual projections
         self.ln1 = _norm(cfg, dtype)
         self.attn = Attention(cfg, rngs, dtype, out_std)
         self.ln2 = _norm(cfg, dtype)
-        self.mlp = MLP(cfg, rngs, dtype, out_std)
+        self.mlp = (MoE if is_moe else MLP)(cfg, rngs, dtype, out_std)
 
-    def __call__(self, x, tp_axis=None):
+    def __call__(self, x, tp_axis=None, ep_axis=None):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac]) (zeros for a dense block)."""
         x = x + self.attn(self.ln1(x), tp_axis)
-        return x + self.mlp(self.ln2(x), tp_axis)
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis)
+            return x + y, stats
+        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((2,), jnp.float32)
 
 
 def _stack(blocks: list[Block]) -> Block:
@@ -186,51 +253,64 @@ class GPT(nnx.Module):
         learned = cfg.pos == PosKind.LEARNED
         self.pos_emb = _normal(rngs, (cfg.seq_len, cfg.d_model), 0.01, dtype) if learned else None
         # Built one by one either way, so scan_layers stacks exactly the params of the loop.
-        blocks = [Block(cfg, rngs, dtype) for _ in range(cfg.n_layers)]
+        blocks = [Block(cfg, rngs, dtype, is_moe_block(cfg, i)) for i in range(cfg.n_layers)]
         self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.ln_f = _norm(cfg, dtype)
         self.head = None if cfg.tie_embeddings else _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
-    def _run_blocks(self, x, tp_axis):
+    def _run_blocks(self, x, tp_axis, ep_axis):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks)."""
         if not (self.scan_layers or self.remat):
+            stats = jnp.zeros((2,), jnp.float32)
             for block in self.blocks:
-                x = block(x, tp_axis)
-            return x
+                x, s = block(x, tp_axis, ep_axis)
+                stats = stats + s
+            return x, stats
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
-            return nnx.merge(graphdef, state)(x, tp_axis)
+            return nnx.merge(graphdef, state)(x, tp_axis, ep_axis)
 
         if self.remat:  # Megatron's full recompute: keep only each block's input for backward
             layer = jax.checkpoint(layer, static_argnums=0)
         if self.scan_layers:
             graphdef, states = nnx.split(self.blocks)
-            return jax.lax.scan(lambda x, s: (layer(graphdef, s, x), None), x, states)[0]
+            x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)
+            return x, stats.sum(axis=0)
+        stats = jnp.zeros((2,), jnp.float32)
         for block in self.blocks:
-            x = layer(*nnx.split(block), x)
-        return x
+            x, s = layer(*nnx.split(block), x)
+            stats = stats + s
+        return x, stats
 
-    def __call__(self, tokens, tp_axis=None):
-        """tokens [B, T] int -> logits [B, T, V] fp32."""
+    def __call__(self, tokens, tp_axis=None, ep_axis=None):
+        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac] summed over MoE blocks)."""
         x = self.tok_emb[...][tokens]
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
-        x = self._run_blocks(x, tp_axis)
+        x, stats = self._run_blocks(x, tp_axis, ep_axis)
         x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
-        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats
 
 
 class GPTModel:
     """The functional face of `GPT`: params are a plain nested dict of arrays.
 
-    init() -> params; loss(params, tokens) -> mean next-token cross-entropy, where
-    tokens are [B, T + 1] int32 (inputs are tokens[:, :-1], targets tokens[:, 1:]).
+    init() -> params; loss(params, tokens) -> mean next-token cross-entropy (plus the MoE
+    blocks' load-balancing loss), where tokens are [B, T + 1] int32 (inputs are
+    tokens[:, :-1], targets tokens[:, 1:]). With MoE the tokens of one call are one routing
+    group: a single device reproduces a data-parallel run by calling it per rank and
+    microbatch (`tests/helpers.py`).
     """
 
     def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0):
         self.cfg, self.dtype, self.seed = cfg, jnp.dtype(param_dtype), seed
         self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(seed), self.dtype)))
+
+    @property
+    def n_moe_blocks(self) -> int:
+        return sum(is_moe_block(self.cfg, i) for i in range(self.cfg.n_layers))
 
     def init(self):
         """Params (nested dict) from `seed`; call under jit with out_shardings to shard at birth."""
@@ -239,22 +319,43 @@ class GPTModel:
     def abstract_params(self):
         return jax.eval_shape(self.init)
 
+    def _stacked(self, path) -> bool:
+        return self.cfg.scan_layers and jax.tree_util.keystr(path[:1], simple=True) == "blocks"
+
     def tp_specs(self, params) -> dict:
-        """PartitionSpec per param, same structure as params."""
+        """Model-parallel PartitionSpec per param (tp, and ep on expert dims), same structure as params."""
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: tp_spec(jax.tree_util.keystr(path, simple=True, separator="/"), x.ndim), params
+            lambda path, x: tp_spec(_name(path), x.ndim, self._stacked(path)), params
         )
 
+    def is_expert(self, params) -> dict:
+        """Per param, whether it is an expert weight (data-parallel over the expert-DP domain)."""
+        return jax.tree_util.tree_map_with_path(lambda path, _: re.search(EXPERT_PATTERN, _name(path)) is not None, params)
+
     def layer_ndims(self, params) -> dict:
-        """Per param, its dims per layer: with `scan_layers` the stacked [L] dim does not count
-        (a stacked norm scale [L, D] is a 1-D param of each layer, for weight decay)."""
+        """Per param, its dims per layer and expert: with `scan_layers` the stacked [L] dim does not
+        count (a stacked norm scale [L, D] is a 1-D param of each layer, for weight decay), nor
+        does an expert weight's [E] dim."""
 
         def ndim(path, x):
-            stacked = self.cfg.scan_layers and jax.tree_util.keystr(path[:1], simple=True) == "blocks"
-            return x.ndim - stacked
+            return x.ndim - self._stacked(path) - (re.search(EXPERT_PATTERN, _name(path)) is not None)
 
         return jax.tree_util.tree_map_with_path(ndim, params)
 
-    def loss(self, params, tokens, tp_axis=None):
-        logits = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
+        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' mean
+        `aux_loss` (before its coefficient) and `dropped_frac`."""
+        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        n = self.n_moe_blocks
+        if n == 0:
+            return loss, {}
+        loss = loss + self.cfg.moe.aux_loss_coef * stats[0]
+        return loss, {"aux_loss": stats[0] / n, "dropped_frac": stats[1] / n}
+
+    def loss(self, params, tokens, tp_axis=None, ep_axis=None):
+        return self.loss_and_metrics(params, tokens, tp_axis, ep_axis)[0]
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")

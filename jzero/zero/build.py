@@ -112,14 +112,18 @@ def build_zero(
     clip_grad: float | None = None,
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
+    has_aux: bool = False,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
     Arguments:
-      loss_fn: (params, batch) -> mean loss over the batch. The spec path calls it on global
-        params under jit; the flat path on tp-local params inside shard_map, where, if a
-        tp spec splits any param, it also gets `tp_axis=` the mesh's tp axis to sum its
-        row-parallel outputs over.
+      loss_fn: (params, batch) -> mean loss over the batch (with `has_aux`: (loss, metrics),
+        a dict of scalars). The spec path calls it on global params under jit; the flat
+        path on tp-local params inside shard_map, where, if a tp spec splits any param, it
+        also gets `tp_axis=` the mesh's tp axis to sum its row-parallel outputs over. If
+        some param is split over ep (expert weights, `is_expert`), both paths call it with
+        `ep_axis=` the mesh's ep axis: each rank then holds its local experts and sends the
+        tokens they need over that axis (all_to_all), as `jzero.train.moe` does.
       inner: any optax transformation on the spec path; an element-wise one on the flat
         path (others raise ConfigError naming the transformation).
       mesh: the (dp_outer, dp, ep, tp) mesh (`jzero.mesh.make_mesh`).
@@ -131,6 +135,8 @@ def build_zero(
       clip_grad: global-norm clipping across shards (Megatron's), None = off.
       microbatches: gradient accumulation steps per `step`.
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
+      has_aux: `loss_fn` returns (loss, metrics); the step's metrics then hold each one's
+        mean over ranks and microbatches.
     """
     if zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ConfigError("zero.strategy=optim_grads_params (ZeRO-3) is not yet supported")
@@ -141,12 +147,12 @@ def build_zero(
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
-            grad_reduce_dtype=grad_reduce_dtype,
+            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
         )  # fmt: skip
         return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
     optimizer = zero_optimizer(inner, plan, clip_grad, groups)
     shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
-    kwargs = dict(microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype)
+    kwargs = dict(microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux)
     step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
     grads = build_grads(loss_fn, plan, **kwargs)
     return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh)

@@ -35,7 +35,7 @@ from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.probe import check_elementwise
-from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params
+from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
 from jzero.zero.update import clip_coefficient, inner_update, model_copy
 
 PyTree = Any
@@ -86,6 +86,7 @@ def build_flat_step(
     groups: PyTree | None = None,
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
+    has_aux: bool = False,
 ) -> FlatStep:
     """The flat path's shardings, optimizer init, jitted step and grads.
 
@@ -110,6 +111,7 @@ def build_flat_step(
     splits_tp = any(e is not None for t in jax.tree.leaves(plan.tensors) for e in t.tp_spec)
     tp_kwargs = {"tp_axis": TP_AXIS} if splits_tp else {}
     group_list = None if groups is None else group_leaves(groups)
+    loss_metrics = with_metrics(loss_fn, has_aux)
 
     def reduce(buckets):
         if fp.sharded:
@@ -121,34 +123,34 @@ def build_flat_step(
         # DP all-reduce itself (the transpose of the implicit cast to varying). Casting them
         # to DP-varying first gives this rank's local grads, which the buckets then reduce.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, fp.dp_axes, to="varying"), params)
-        loss, g = jax.value_and_grad(loss_fn)(params, mb, **tp_kwargs)
+        (loss, metrics), g = jax.value_and_grad(loss_metrics, has_aux=True)(params, mb, **tp_kwargs)
         g = [(x.astype(jnp.float32) * scale).astype(grad_reduce_dtype) for x in jax.tree.leaves(g)]
-        return loss, flatten(fp, g, grad_reduce_dtype)
+        return (loss, metrics), flatten(fp, g, grad_reduce_dtype)
 
     def grads_body(params, batch):
         """Reduced grad buckets: the owned shards [1, S_b/d], full [1, S_b] under DDP."""
         mbs = jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))  # [M, b, ...] this rank's
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
         first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
-        loss, acc = local_grad_buckets(params, first)
+        means, acc = local_grad_buckets(params, first)
         if plan.shards_grads:  # reduce-scatter every microbatch: only the owned shard accumulates
             acc = reduce(acc)
 
         def body(acc, mb):
-            loss, g = local_grad_buckets(params, mb)
-            return [a + x for a, x in zip(acc, reduce(g) if plan.shards_grads else g)], loss
+            means, g = local_grad_buckets(params, mb)
+            return [a + x for a, x in zip(acc, reduce(g) if plan.shards_grads else g)], means
 
         if microbatches > 1:
-            acc, losses = jax.lax.scan(body, acc, rest)
-            loss = (loss + losses.sum()) / microbatches
+            acc, rest_means = jax.lax.scan(body, acc, rest)
+            means = jax.tree.map(lambda m, r: (m + r.sum()) / microbatches, means, rest_means)
         red = acc if plan.shards_grads else reduce(acc)  # DDP / ZeRO-1: reduce once, after the last
-        return jax.lax.pmean(loss, BATCH_AXES), [r[None] for r in red]
+        return jax.lax.pmean(means, BATCH_AXES), [r[None] for r in red]
 
     grads_fn = jax.shard_map(
         grads_body,
         mesh=mesh,
         in_specs=(param_specs, P(BATCH_AXES)),
-        out_specs=(P(), [reduce_spec] * fp.n_buckets),
+        out_specs=((P(), P()), [reduce_spec] * fp.n_buckets),
     )
 
     def on_shards(per_param, rank):
@@ -209,9 +211,9 @@ def build_flat_step(
     init_opt = jax.shard_map(init_body, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs, check_vma=False)
 
     def step(state: TrainState, batch):
-        loss, grads = grads_fn(state.params, batch)
+        (loss, metrics), grads = grads_fn(state.params, batch)
         params, opt_state, norm = update_fn(state.params, state.opt_state, grads)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm}
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm, **metrics}
 
     replicated = NamedSharding(mesh, P())
     step_jit = jax.jit(
@@ -223,6 +225,6 @@ def build_flat_step(
     grads_jit = jax.jit(
         grads_fn,
         in_shardings=(shardings.params, batch_sharding(mesh)),
-        out_shardings=(replicated, [NamedSharding(mesh, reduce_spec)] * fp.n_buckets),
+        out_shardings=((replicated, replicated), [NamedSharding(mesh, reduce_spec)] * fp.n_buckets),
     )
     return FlatStep(shardings, init_opt, step_jit, lambda params, batch: grads_jit(params, batch)[1])

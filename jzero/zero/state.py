@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 PyTree = Any
-LossFn = Callable[..., jax.Array]  # (params, local batch) -> mean loss; see `build.build_zero`
+LossFn = Callable[..., Any]  # (params, local batch) -> mean loss [, metrics]; see `build.build_zero`
 
 
 class ZeroState(NamedTuple):
@@ -35,6 +35,15 @@ class TrainState(NamedTuple):
     params: PyTree
     opt_state: ZeroState
     step: jax.Array
+
+
+def with_metrics(loss_fn: LossFn, has_aux: bool) -> Callable[..., tuple[jax.Array, dict]]:
+    """`loss_fn` as (params, batch, **axes) -> (loss, metrics): metrics is the dict of scalars a
+    `has_aux` loss returns beside its loss (each averaged over ranks and microbatches by the step),
+    else {}."""
+    if has_aux:
+        return loss_fn
+    return lambda *args, **kwargs: (loss_fn(*args, **kwargs), {})
 
 
 def keeps_main_params(abstract_params: PyTree) -> bool:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import ShardingStrategy
-from jzero.mesh import axes_size, dp_axes
+from jzero.mesh import EP_AXIS, axes_size, dp_axes
 
 PyTree = Any
 
@@ -49,7 +49,8 @@ class TensorPlan:
     Attributes:
       name: path like `blocks/0/mlp/fc1/kernel`.
       shape, dtype: of the model param (global shape).
-      tp_spec: the model-parallel PartitionSpec (tp only), e.g. P(None, "tp").
+      tp_spec: the model-parallel PartitionSpec: tp, and ep on an expert weight's expert
+        dim, e.g. P(None, "tp") or P("ep", None, "tp").
       dp_axes: the param's data-parallel domain.
       shard_dim: the dim split over `dp_axes` in the ZeRO layout (jointly with tp if
         tp already splits it), None if no dim fits.
@@ -122,6 +123,11 @@ class ShardingPlan:
     @property
     def shards_state(self) -> bool:
         return self.strategy != ShardingStrategy.NO_SHARD
+
+    @property
+    def splits_ep(self) -> bool:
+        """Whether some param (an expert weight) is split over the ep axis."""
+        return any(EP_AXIS in spec_axes(t.tp_spec) for t in jax.tree.leaves(self.tensors))
 
     @property
     def shards_grads(self) -> bool:
@@ -198,6 +204,25 @@ class ShardingPlan:
             for t in jax.tree.leaves(self.tensors)
             if t.shard_dim is None and axes_size(self.mesh, t.dp_axes) > 1
         ]
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes `spec` names, in order."""
+    names = []
+    for entry in spec:
+        names += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+    return tuple(names)
+
+
+def restrict(spec: P, axes: tuple[str, ...]) -> P:
+    """`spec` naming only the mesh axes in `axes` (the manual axes of a shard_map)."""
+
+    def keep(entry):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(keep(e) for e in spec))
 
 
 def path_name(path: tuple) -> str:
