@@ -159,7 +159,12 @@ def _parser() -> argparse.ArgumentParser:
 
     lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
     with_config(lay)
-    lay.add_argument("--rank", type=int, default=0, help="data-parallel rank to show (default 0)")
+    lay.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="dense data-parallel rank to show (default 0); the expert buffer shows that device's expert-DP rank",
+    )
     lay.add_argument("--json", action="store_true", help="the whole layout, every rank, as JSON")
     lay.set_defaults(fn=_cmd_layout)
 

@@ -305,7 +305,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
     missing = [
-        key for key, f in ((_yaml_key(f), f) for f in dataclasses.fields(cls))
+        key
+        for key, f in ((_yaml_key(f), f) for f in dataclasses.fields(cls))
         if key not in raw and f.default is dataclasses.MISSING
     ]
     if missing:

@@ -1,9 +1,12 @@
-"""The explicit flat-buffer path: compiled collectives, exact optimizer bytes, refusals, `jzero layout`."""
+"""The explicit flat-buffer path: compiled collectives, exact optimizer bytes, refusals, `jzero layout`,
+and the separate expert buffer of a MoE model."""
 
 import json
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -13,6 +16,7 @@ from jzero.config import ConfigError
 from jzero.inspect.hlo import axes_of_groups, parse_collectives
 from jzero.train.loop import setup
 from jzero.train.report import per_device_bytes
+from jzero.zero.buffers import bucket_end_divisor, build_layout
 from jzero.zero.probe import check_elementwise
 
 DP_AXES = {"dp_outer", "dp", "ep"}
@@ -106,3 +110,106 @@ def test_layout_cli_answers_who_owns_what(capsys):
     out = capsys.readouterr().out
     assert "rank 2 owns" in out and "blocks/1/mlp/fc1/kernel" in out
     assert main(argv + ["--rank", "9"]) == 2
+
+
+# ---------------------------------------------------------------- expert buffer
+
+MOE = {"num_experts": 6, "top_k": 2, "every": 2, "capacity_factor": 1.0}
+
+
+def _moe_run(strategy="optim_grads", mesh=(2, 3, 1), num_experts=6, zero=None, **sections):
+    """A MoE run on the flat path on dp * ep * tp devices; by default dp=2, ep=3 on 6 devices: the
+    dense DP size 6 pads buckets to lcm(6, 128) = 384, the expert DP size 2 to 128."""
+    dp, ep, tp = mesh
+    cfg = tiny_config(
+        strategy,
+        mesh,
+        zero={"path": "flat"} | (zero or {}),
+        model={"moe": MOE | {"num_experts": num_experts}},
+        train={"global_batch": 12},
+        **sections,
+    )
+    return setup(cfg, devices=jax.devices()[: dp * ep * tp], with_data=False)
+
+
+def test_moe_has_a_dense_and_an_expert_buffer_each_padded_for_its_dp_size():
+    run = _moe_run()
+    fp = run.zero.flat
+    dense, expert = fp.buffers
+    assert (dense.kind, dense.d, dense.layout.dp_size) == ("dense", 6, 6)
+    assert (expert.kind, expert.d, expert.layout.dp_size) == ("expert", 2, 2)
+    tensors = jax.tree.leaves(fp.plan.tensors)
+    assert {tensors[i].name for i in expert.params} == {t.name for t in tensors if "/experts/" in t.name}
+    assert sorted(dense.params + expert.params) == list(range(len(tensors)))
+    for buf, divisor in ((dense, 384), (expert, 128)):
+        assert bucket_end_divisor(buf.layout.dp_size) == divisor
+        assert all((end - start) % divisor == 0 for start, end in buf.layout.bucket_indices)
+        # Megatron's layout over the buffer's own (ep- and tp-local) params and DP size.
+        numels = [math.prod(fp.local_shapes[i]) for i in buf.params]
+        assert buf.layout == build_layout(numels, buf.layout.dp_size)
+    for i in expert.params:
+        assert fp.local_shapes[i][0] == MOE["num_experts"] // 3  # this ep rank's experts
+    assert fp.n_buckets == 2 and fp.numel == dense.layout.numel + expert.layout.numel
+    assert fp.bucket_shapes() == [(1, dense.layout.numel), (3, expert.layout.numel)]  # [tp, S], [ep * tp, S]
+    assert [s.sharding.spec for s in run.zero.grad_buffer_structs(jnp.float32)] == [
+        jax.sharding.PartitionSpec("tp", ("dp_outer", "dp", "ep")),
+        jax.sharding.PartitionSpec(("ep", "tp"), ("dp_outer", "dp")),
+    ]
+    # A dense model keeps its one buffer: no empty expert buffer.
+    assert [b.kind for b in setup(tiny_config(zero={"path": "flat"}), with_data=False).zero.flat.buffers] == ["dense"]
+
+
+def test_expert_state_per_device_is_one_edp_th_of_the_local_experts():
+    run = _moe_run("optim", (2, 2, 2), num_experts=4, zero={"bucket_size": 3000})
+    fp = run.zero.flat
+    expert = fp.buffer("expert")
+    first = fp.buffer("dense").n_buckets  # plan buckets: dense first
+    assert expert.n_buckets > 1
+    state = run.init_state()
+    moments = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state.inner_state)[0]:
+        if x.ndim and path[-1].idx >= first:  # Adam's mu and nu of an expert bucket
+            start, end = expert.layout.bucket_indices[path[-1].idx - first]
+            assert x.shape == (2 * 2, end - start)  # [ep * tp, S_b]
+            assert x.sharding.shard_shape(x.shape) == (1, (end - start) // 2)  # 1/edp of the local experts' bucket
+            moments += 1
+    assert moments == 2 * expert.n_buckets
+    local_experts = sum(math.prod(fp.local_shapes[i]) for i in expert.params)
+    assert expert.layout.numel - local_experts < 64 * len(expert.params) + 128 * expert.n_buckets  # gaps, padding
+
+
+def test_expert_state_round_trips_through_model_space():
+    """to_model_space(from_model_space(x)) == x for any model-space state (every expert, tp-split
+    and tp-replicated params), and the fp32 main params the flat init laid out per device read back
+    as the model's params: the conversion is the layout the step uses."""
+    run = _moe_run("optim_grads", (2, 2, 2), 4, {"bucket_size": 3000}, precision={"param_dtype": "bfloat16"})
+    state = run.init_state()
+    model = jax.jit(run.zero.to_model_space)(state.opt_state)
+    for m, p in zip(jax.tree.leaves(model.main_params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(m, np.asarray(p, np.float32))
+    rng = np.random.default_rng(0)
+    x = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype) if a.ndim else a, model)
+    back = jax.jit(lambda s: run.zero.to_model_space(run.zero.from_model_space(s)))(x)
+    assert jax.tree.structure(back) == jax.tree.structure(x)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(x)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_layout_cli_shows_the_expert_buffer_over_the_expert_dp_domain(capsys):
+    argv = ["layout", "--set", "mesh.dp=2", "--set", "mesh.ep=2", "--set", "mesh.tp=2", "--set", "model.n_layers=2"]
+    argv += ["--set", "model.moe.num_experts=4", "--set", "model.moe.every=2"]
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    dense, expert = d, d["expert"]
+    assert (dense["buffer"]["kind"], dense["buffer"]["dp_size"]) == ("dense", 4)
+    assert (expert["buffer"]["kind"], expert["buffer"]["dp_size"]) == ("expert", 2)
+    assert not any("/experts/" in p["name"] for p in dense["params"])
+    for buf in (dense, expert):
+        covered = {}
+        for r in buf["ranks"]:
+            for o in r["owned"]:
+                covered[o["name"]] = covered.get(o["name"], 0) + o["param"][1] - o["param"][0]
+        assert covered == {p["name"]: p["numel"] for p in buf["params"]}  # the ranks' ranges tile every param
+    assert main(argv + ["--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "buffer: expert" in out and "rank 1 (dense rank 3" in out and "blocks/1/mlp/experts/fc1/kernel" in out

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.inspect.hlo import (
     axes_of_groups,
     format_table,
+    is_dp_traffic,
     parse_collectives,
     ring_wire_bytes,
     summarize,
@@ -51,6 +52,13 @@ def test_ring_wire_bytes():
         assert ar == ring_wire_bytes("reduce-scatter", b, n) + ring_wire_bytes("all-gather", b, n)
     with pytest.raises(ValueError):
         ring_wire_bytes("broadcast", b, 2)
+
+
+def test_dp_traffic_leaves_out_the_tokens_all_to_all():
+    assert is_dp_traffic("reduce-scatter", ("dp",)) and is_dp_traffic("all-gather", ("dp_outer", "dp", "ep"))
+    assert not is_dp_traffic("all-to-all", ("ep",))  # a MoE's tokens to their experts: activations
+    assert not is_dp_traffic("all-reduce", ("tp",)) and not is_dp_traffic("all-reduce", ("dp", "tp"))
+    assert not is_dp_traffic("all-reduce", ())
 
 
 # --------------------------------------------------------------------------- hand-written HLO

@@ -6,8 +6,10 @@ are static: a collective inside a loop body (the microbatch scan, a scan over la
 is one instruction however often the loop runs.
 
 Theory: the data-parallel wire bytes per device of one grad reduction and one param
-gather, with d the DP-domain size (dp_outer x dp x ep), G the tp-local grad bytes in
-`precision.grad_reduce_dtype` and P the tp-local param bytes in `precision.param_dtype`:
+gather, per data-parallel domain: dense params over d = dp_outer x dp x ep, expert params
+over edp = dp_outer x dp, with G the grad bytes one model-parallel rank holds in the domain
+(tp-local; for experts, its E/ep experts) in `precision.grad_reduce_dtype` and P those params'
+bytes in `precision.param_dtype`, summed over the domains:
 
     no_shard (DDP)        all-reduce G                         2(d-1)/d G
     optim (ZeRO-1)        reduce-scatter G + all-gather P       (d-1)/d G + (d-1)/d P
@@ -20,7 +22,8 @@ and grads) that is exactly DDP's all-reduce. ZeRO-2 reduce-scatters every micro-
 static count of instructions, is one reduction. The theory leaves out the model's tp
 collectives, the loss mean and the grad-norm scalar; the flat path's buckets are padded
 to lcm(d, 128), which the theory leaves out too. The measured/theory ratio compares the
-collectives over DP axes only.
+DP traffic only (`hlo.is_dp_traffic`): collectives over DP axes but a MoE's all-to-all,
+which moves tokens (activations) to their experts over ep and is reported on its own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import jax.numpy as jnp
 from jzero.config import ShardingStrategy, to_dict
 from jzero.inspect import hlo, overlap, peak
 from jzero.inspect.compile import CPU, CompiledStep
-from jzero.mesh import DENSE_DP_AXES
+from jzero.mesh import EXPERT_DP_AXES, axes_size
+from jzero.train import moe
+from jzero.train.model import is_moe_block
+from jzero.train.report import DOMAIN_NAMES
 
 SCHEMA = "jzero.hlo/2"
 LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
@@ -40,25 +46,74 @@ LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
 def theory(c: CompiledStep) -> dict:
     """Theoretical DP wire bytes per device per step for `c`'s strategy (module docstring).
 
-    Returns: {d, grad_bytes (G), param_bytes (P), formula, by_kind {kind: bytes}, wire_bytes}.
+    Returns: {d, grad_bytes (G), param_bytes (P), formula, by_kind {kind: bytes}, wire_bytes,
+    domains}: G, P, by_kind and wire_bytes summed over the domains, d the dense domain's size;
+    `domains` gives each domain's {axes, d, grad_bytes, param_bytes, by_kind, wire_bytes}
+    ("dense", and "expert" for a MoE model).
     """
     cfg, plan = c.cfg, c.run.zero.plan
-    d = cfg.dp_domain_size
-    numel = plan.tp_local_numel()
-    g = numel * jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
-    p = numel * jnp.dtype(cfg.precision.param_dtype.value).itemsize
-    one = (d - 1) / d
-    strategy = cfg.zero.strategy
-    if strategy == ShardingStrategy.NO_SHARD:
-        by_kind, formula = {"all-reduce": 2 * one * g}, "2(d-1)/d*G"
-    else:  # optim, optim_grads
-        by_kind, formula = {"reduce-scatter": one * g, "all-gather": one * p}, "(d-1)/d*G + (d-1)/d*P"
-    return {"d": d, "grad_bytes": g, "param_bytes": p, "formula": formula, "by_kind": by_kind,
-            "wire_bytes": sum(by_kind.values())}  # fmt: skip
+    grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
+    param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    ddp = cfg.zero.strategy == ShardingStrategy.NO_SHARD
+    domains = {}
+    for axes, numel in plan.numel_by_domain().items():
+        d = axes_size(plan.mesh, axes)
+        g, p, one = numel * grad_b, numel * param_b, (d - 1) / d
+        by_kind = {"all-reduce": 2 * one * g} if ddp else {"reduce-scatter": one * g, "all-gather": one * p}
+        domains[DOMAIN_NAMES[axes]] = {"axes": list(axes), "d": d, "grad_bytes": g, "param_bytes": p,
+                                       "by_kind": by_kind, "wire_bytes": sum(by_kind.values())}  # fmt: skip
+    domains = dict(sorted(domains.items()))  # dense before expert
+    by_kind: dict[str, float] = {}
+    for dom in domains.values():
+        for kind, b in dom["by_kind"].items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + b
+    if "expert" not in domains:
+        formula = "2(d-1)/d*G" if ddp else "(d-1)/d*G + (d-1)/d*P"
+    elif ddp:
+        formula = "2(d-1)/d*G_dense + 2(edp-1)/edp*G_expert"
+    else:
+        formula = "(d-1)/d*(G_dense + P_dense) + (edp-1)/edp*(G_expert + P_expert)"
+    return {
+        "d": cfg.dp_domain_size,
+        "grad_bytes": sum(dom["grad_bytes"] for dom in domains.values()),
+        "param_bytes": sum(dom["param_bytes"] for dom in domains.values()),
+        "formula": formula,
+        "by_kind": by_kind,
+        "wire_bytes": sum(by_kind.values()),
+        "domains": domains,
+    }
 
 
-def _is_dp(axes: tuple[str, ...]) -> bool:
-    return bool(axes) and set(axes) <= set(DENSE_DP_AXES)
+def tokens_theory(c: CompiledStep) -> dict | None:
+    """What one all-to-all of a MoE block moves, None for a dense model or ep = 1.
+
+    Each rank sends its tokens' expert slots `[E, C, D]` (`moe.dispatch`, in param_dtype, C
+    the capacity of its micro-batch's tokens) to the experts' ep ranks and gets the outputs
+    back: 2 all-to-alls forward, their 2 transposes backward, and 2 more where remat
+    recomputes the forward, per MoE block and micro-batch.
+
+    Returns: {ep, slot_bytes (the operand B), wire_bytes ((ep-1)/ep B, one all-to-all),
+    per_step (all-to-alls per step), per_step_wire_bytes}.
+    """
+    cfg, m = c.cfg, c.cfg.model
+    ep = cfg.mesh.ep
+    if m.moe.num_experts == 0 or ep == 1:
+        return None
+    tokens = cfg.train.global_batch // (cfg.dp_domain_size * cfg.train.microbatches) * m.seq_len
+    cap = moe.capacity(tokens, m.moe.num_experts, m.moe.top_k, m.moe.capacity_factor)
+    slot = m.moe.num_experts * cap * m.d_model * jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    n_moe = sum(is_moe_block(m, i) for i in range(m.n_layers))
+    per_step = n_moe * cfg.train.microbatches * (6 if m.remat else 4)
+    one = hlo.ring_wire_bytes("all-to-all", slot, ep)
+    return {"ep": ep, "slot_bytes": slot, "wire_bytes": one, "per_step": per_step,
+            "per_step_wire_bytes": per_step * one}  # fmt: skip
+
+
+def _spans(domains: dict, mesh) -> dict[str, set] | None:
+    """Each DP domain as the mesh axes (of size > 1) a collective over its ranks spans; None where
+    two domains span the same (ep = 1: dense and expert params share their ranks)."""
+    spans = {name: {a for a in dom["axes"] if mesh.shape[a] > 1} for name, dom in domains.items()}
+    return None if len({frozenset(v) for v in spans.values()}) < len(spans) else spans
 
 
 def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> list[str]:
@@ -66,11 +121,18 @@ def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> lis
     notes = []
     cfg = c.cfg
     param_dtype = cfg.precision.param_dtype.value
-    gathered = {d for r in rows if r["kind"] == "all-gather" and _is_dp(tuple(r["axes"])) for d in r["dtypes"]}
+    gathered = {d for r in rows if r["kind"] == "all-gather" and hlo.is_dp_traffic(r["kind"], r["axes"])
+                for d in r["dtypes"]}  # fmt: skip
     if param_dtype != "float32" and "f32" in gathered:
         notes.append(
             f"the params are all-gathered in f32, not {param_dtype}: XLA gathers the fp32 main params and casts "
             "after (seen on XLA:CPU, which also promotes bf16 all-reduces to f32), twice the theory's bytes"
+        )
+    moved = {d for r in rows if r["kind"] == "all-to-all" for d in r["dtypes"]}
+    if param_dtype != "float32" and "f32" in moved:
+        notes.append(
+            f"the tokens' all-to-all moves f32, not {param_dtype} (seen on XLA:CPU, which promotes bf16 "
+            "collectives; XLA:GPU keeps bf16): twice the tokens theory's bytes"
         )
     if th["by_kind"].get("reduce-scatter") and not dp_by_kind.get("reduce-scatter"):
         why = "XLA:CPU has no reduce-scatter pass, docs/xla.md" if c.target == CPU else "XLA kept the all-reduce"
@@ -86,12 +148,14 @@ def _notes(c: CompiledStep, dp_by_kind: dict, th: dict, rows: list[dict]) -> lis
         )
     fp = c.run.zero.flat
     if fp is not None:
-        size = fp.layout.numel
-        padding = size - c.run.zero.plan.tp_local_numel()
-        notes.append(
-            f"flat buffer: {size} elements per tp rank in {len(fp.layout.bucket_indices)} bucket(s), {padding} of "
-            "them padding (64-element param starts, bucket ends at multiples of lcm(d, 128)), which travels too"
-        )
+        numel = c.run.zero.plan.numel_by_domain()
+        for buf in fp.buffers:
+            size, ranks = buf.layout.numel, " x ".join(buf.model_axes)
+            notes.append(
+                f"flat {buf.kind} buffer: {size} elements per {ranks} rank in {buf.n_buckets} bucket(s), "
+                f"{size - numel[buf.dp_axes]} of them padding (64-element param starts, bucket ends at multiples "
+                f"of lcm({'d' if buf.kind == 'dense' else 'edp'}={buf.d}, 128)), which travels too"
+            )
     if any(not r["axes"] for r in rows):
         notes.append("axes '-': a group of one device (a size-1 mesh axis, e.g. tp=1): no bytes move")
     return notes
@@ -108,22 +172,37 @@ def analyze(c: CompiledStep) -> dict:
         {**r, "axes": list(r["axes"]), "dtypes": sorted(dtypes[(r["kind"], r["axes"])])}
         for r in hlo.summarize(collectives, c.run.mesh)
     ]
-    dp_by_kind: dict[str, float] = {}
-    for r in rows:
-        if _is_dp(tuple(r["axes"])):
-            dp_by_kind[r["kind"]] = dp_by_kind.get(r["kind"], 0.0) + r["wire_bytes"]
     th = theory(c)
+    dp_by_kind: dict[str, float] = {}
+    spans = _spans(th["domains"], c.run.mesh)
+    by_domain = {} if spans is None else {name: 0.0 for name in spans}
+    for r in rows:
+        if hlo.is_dp_traffic(r["kind"], r["axes"]):
+            dp_by_kind[r["kind"]] = dp_by_kind.get(r["kind"], 0.0) + r["wire_bytes"]
+            for name, axes in (spans or {}).items():
+                by_domain[name] += r["wire_bytes"] if set(r["axes"]) == axes else 0.0
     dp_wire = sum(dp_by_kind.values())
+    a2a = [r for r in rows if r["kind"] == "all-to-all"]
+    a2a_wire = sum(r["wire_bytes"] for r in a2a)
+    schedule = overlap.schedule_report(c)
+    tokens = tokens_theory(c)
+    if tokens is not None:
+        runs = [r["wire_bytes"] * r["runs"] for r in schedule["collectives"] if r["kind"] == "all-to-all"]
+        tokens["measured"] = {"count": sum(r["count"] for r in a2a), "wire_bytes": a2a_wire,
+                              "per_step_wire_bytes": sum(runs)}  # fmt: skip
     return {
         "compile_s": round(c.compile_s, 3),
         "collectives": rows,
         "dp_wire_bytes": dp_wire,
         "dp_wire_bytes_by_kind": dp_by_kind,
-        "other_wire_bytes": sum(r["wire_bytes"] for r in rows) - dp_wire,
+        "dp_wire_bytes_by_domain": by_domain,  # by the axes (dense dp x ep, expert dp); {} where ep = 1
+        "all_to_all_wire_bytes": a2a_wire,  # tokens to and from the experts: activations, not DP traffic
+        "other_wire_bytes": sum(r["wire_bytes"] for r in rows) - dp_wire - a2a_wire,
         "theory": th,
+        "tokens": tokens,
         "ratio": dp_wire / th["wire_bytes"] if th["wire_bytes"] else None,
         "notes": _notes(c, dp_by_kind, th, rows),
-        "schedule": overlap.schedule_report(c),  # what XLA overlaps each collective with
+        "schedule": schedule,  # what XLA overlaps each collective with
         "peak": peak.peak_report(c),  # what temp memory holds at its peak
     }
 
@@ -132,6 +211,8 @@ def header(c: CompiledStep) -> dict:
     """What the programs were compiled for (shared by every strategy of one command)."""
     cfg = c.cfg
     device = c.run.mesh.devices.flat[0]
+    tensors = jax.tree.leaves(c.run.zero.plan.tensors)
+    expert = any(t.dp_axes == EXPERT_DP_AXES for t in tensors)
     return {
         "target": c.target,
         "topology": c.topology,
@@ -140,7 +221,9 @@ def header(c: CompiledStep) -> dict:
         "path": cfg.zero.path.value,
         "mesh": dict(c.run.mesh.shape),
         "d": cfg.dp_domain_size,
-        "params": sum(t.numel for t in jax.tree.leaves(c.run.zero.plan.tensors)),
+        "edp": axes_size(c.run.mesh, EXPERT_DP_AXES) if expert else None,  # the expert-DP domain's size
+        "params": sum(t.numel for t in tensors),
+        "expert_params": sum(t.numel for t in tensors if t.dp_axes == EXPERT_DP_AXES),
         "config": to_dict(cfg),
     }
 
@@ -177,14 +260,23 @@ def format_report(doc: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in doc["mesh"].items())
     where = doc["target"] if doc["topology"] is None else f"{doc['target']} ({doc['topology']})"
     any_th = next(iter(doc["strategies"].values()))["theory"]
+    prec = doc["config"]["precision"]
+    experts = "" if doc.get("edp") is None else f", {count(doc['expert_params'])} of them in experts"
+    edp = "" if doc.get("edp") is None else f", edp={doc['edp']}"
     lines = [
-        f"compiled train step, {count(doc['params'])} params, path={doc['path']}, target {where}, "
-        f"{doc['device_kind']}, mesh {mesh}, d={doc['d']}",
-        f"per device: G = {human(any_th['grad_bytes'])} (tp-local grads, "
-        f"{doc['config']['precision']['grad_reduce_dtype']}), P = {human(any_th['param_bytes'])} "
-        f"(tp-local params, {doc['config']['precision']['param_dtype']})",
-        "",
+        f"compiled train step, {count(doc['params'])} params{experts}, path={doc['path']}, target {where}, "
+        f"{doc['device_kind']}, mesh {mesh}, d={doc['d']}{edp}",
+        f"per device: G = {human(any_th['grad_bytes'])} (tp-local grads, {prec['grad_reduce_dtype']}), "
+        f"P = {human(any_th['param_bytes'])} (tp-local params, {prec['param_dtype']})",
     ]
+    if "expert" in any_th["domains"]:
+        lines += [
+            f"  {name:<7}over {','.join(dom['axes']):<17}{('d=' if name == 'dense' else 'edp=') + str(dom['d']):<9}"
+            f"G = {human(dom['grad_bytes'])}, P = {human(dom['param_bytes'])}"
+            + ("" if name == "dense" else " (this rank's experts: E/ep of them)")
+            for name, dom in any_th["domains"].items()
+        ]
+    lines.append("")
     header = f"  {'collective':<17}{'axes':<12}{'dtype':<9}{'count':>6}{'payload':>14}{'wire/device':>14}"
     for name, s in doc["strategies"].items():
         lines += [f"== {name} ({LABELS.get(name, name)}), compiled in {s['compile_s']:.1f} s ==", header]
@@ -203,6 +295,23 @@ def format_report(doc: dict) -> str:
             f"  DP wire/device {human(s['dp_wire_bytes'])}; theory {th['formula']} = {human(th['wire_bytes'])}; "
             f"measured/theory {ratio}"
         )
+        if len(th["domains"]) > 1:
+            by_domain = s["dp_wire_bytes_by_domain"]
+            for name, dom in th["domains"].items():
+                measured = human(by_domain[name]) if by_domain else "n/a (ep=1: the same ranks)"
+                lines.append(
+                    f"    {name:<7}over {','.join(dom['axes']):<17}measured {measured:>12}, "
+                    f"theory {human(dom['wire_bytes'])}"
+                )
+        tok = s["tokens"]
+        if tok is not None:
+            m = tok["measured"]
+            lines.append(
+                f"  tokens (not DP): all-to-all over ep {human(m['wire_bytes'])} in {m['count']} instruction(s); "
+                f"theory (ep-1)/ep*[E,C,D] = {human(tok['wire_bytes'])} each; per step "
+                f"{human(m['per_step_wire_bytes'])} vs {tok['per_step']} x {human(tok['wire_bytes'])} = "
+                f"{human(tok['per_step_wire_bytes'])}"
+            )
         lines += [f"  note: {n}" for n in s["notes"]]
         lines += overlap.format_lines(s) + peak.format_lines(s)
         lines.append("")

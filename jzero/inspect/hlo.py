@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
+from jzero.mesh import DENSE_DP_AXES
+
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 # Bits per element; sub-byte types are packed (XLA rounds each array up to whole bytes).
@@ -397,6 +399,13 @@ def axes_of_groups(replica_groups: Iterable[Sequence[int]], mesh: Mesh, *, ids: 
         coords = np.array(np.unravel_index(list(group), shape)).reshape(len(shape), -1)
         varying |= (coords != coords[:, :1]).any(axis=1)
     return tuple(name for name, v in zip(mesh.axis_names, varying) if v)
+
+
+def is_dp_traffic(kind: str, axes: Sequence[str]) -> bool:
+    """Whether a collective is data-parallel traffic (grad reductions, param gathers): over DP
+    axes only (`DENSE_DP_AXES`, which hold the expert-DP ones) and not an all-to-all, which
+    moves a MoE's tokens to their experts and back over ep (activations, not DP)."""
+    return kind != "all-to-all" and bool(axes) and set(axes) <= set(DENSE_DP_AXES)
 
 
 def summarize(collectives: Iterable[Collective], mesh: Mesh) -> list[dict]:

@@ -1,19 +1,43 @@
-"""`jzero layout`: Megatron's flat buffers for a config, and which rank owns which part of which param."""
+"""`jzero layout`: Megatron's flat buffers for a config, and which rank owns which part of which param.
+
+A MoE model has two buffers (docs/megatron.md, "The flat buffer"): the dense one, sharded over
+the dense DP domain, and the expert one (this ep rank's experts), sharded over the expert DP
+domain. A device's rank differs between them: dense rank r (over dp_outer x dp x ep, ep
+innermost) is expert-DP rank r // ep (over dp_outer x dp) and holds the experts of ep rank r % ep.
+"""
 
 from __future__ import annotations
 
 import jax
 
-from jzero.zero.flat_plan import FlatPlan
+from jzero.zero.flat_plan import FlatBuffer, FlatPlan
 
 
 def describe(fp: FlatPlan) -> dict:
-    """The layout as plain data: buffer, buckets with padding, per-rank ownership (four Ranges)."""
-    lay = fp.layout
+    """The layout as plain data. Top level: the first buffer (the dense one) as `describe_buffer`
+    gives it; under "expert", the expert buffer's, when the model has expert params."""
+    out = describe_buffer(fp, fp.buffers[0])
+    for buf in fp.buffers[1:]:
+        out[buf.kind] = describe_buffer(fp, buf)
+    return out
+
+
+def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
+    """One buffer: its dtype, kind and DP domain, buckets with padding, per-rank ownership (four
+    Ranges; ranks in the buffer's own DP domain)."""
+    lay = buf.layout
+    mesh = fp.plan.mesh
     tensors = jax.tree.leaves(fp.plan.tensors)
     params = [
-        {"name": t.name, "local_shape": list(shape), "numel": int(end - start), "start": start, "end": end, "bucket": b}
-        for t, shape, (start, end, b) in zip(tensors, fp.local_shapes, lay.param_index_map)
+        {
+            "name": tensors[i].name,
+            "local_shape": list(fp.local_shapes[i]),
+            "numel": int(end - start),
+            "start": start,
+            "end": end,
+            "bucket": b,
+        }
+        for i, (start, end, b) in zip(buf.params, lay.param_index_map)
     ]
     buckets = [
         {
@@ -21,7 +45,7 @@ def describe(fp: FlatPlan) -> dict:
             "start": start,
             "end": end,
             "numel": end - start,
-            "padding": end - start - sum(params[i]["numel"] for i in lay.bucket_params[b]),
+            "padding": end - start - sum(params[j]["numel"] for j in lay.bucket_params[b]),
             "shard_size": lay.shard_size(b),
         }
         for b, (start, end) in enumerate(lay.bucket_indices)
@@ -30,29 +54,43 @@ def describe(fp: FlatPlan) -> dict:
     for r in range(lay.dp_size):
         owned = []
         for b, per_param in enumerate(lay.owned(r)):
-            for i, rg in sorted(per_param.items(), key=lambda kv: kv[1]["gbuf_world"].start):
-                owned.append({"bucket": b, "name": tensors[i].name} | {k: [v.start, v.end] for k, v in rg.items()})
+            for j, rg in sorted(per_param.items(), key=lambda kv: kv[1]["gbuf_world"].start):
+                owned.append({"bucket": b, "name": params[j]["name"]} | {k: [v.start, v.end] for k, v in rg.items()})
         ranks.append({"rank": r, "owned_numel": lay.owned_numel(r), "owned": owned})
-    return {
-        "buffer": {
-            "dtype": str(tensors[0].dtype),
-            "kind": "dense",
-            "dp_size": lay.dp_size,
-            "tp_size": fp.plan.mesh.shape["tp"],
-            "numel": lay.numel,
-            "params": len(params),
-        },
-        "params": params,
-        "buckets": buckets,
-        "ranks": ranks,
+    buffer = {
+        "dtype": str(tensors[buf.params[0]].dtype),
+        "kind": buf.kind,
+        "dp_size": lay.dp_size,
+        "tp_size": mesh.shape["tp"],
+        "numel": lay.numel,
+        "params": len(params),
     }
+    if buf.kind != "dense":
+        buffer |= {"dp_axes": list(buf.dp_axes), "ep_size": mesh.shape["ep"]}
+    return {"buffer": buffer, "params": params, "buckets": buckets, "ranks": ranks}
 
 
 def format_layout(d: dict, rank: int) -> str:
+    """The buffers of `describe` as text, with what dense-DP rank `rank` owns in each."""
+    lines = _format_buffer(d, rank)
+    if "expert" in d:
+        # Dense rank r is expert rank r // ep (ep is the innermost dense DP axis); 0 under no_shard.
+        per_expert_rank = d["buffer"]["dp_size"] // d["expert"]["buffer"]["dp_size"]
+        lines += _format_buffer(d["expert"], rank // per_expert_rank, f" (dense rank {rank}; its ep rank's experts)")
+    return "\n".join(lines)
+
+
+def _format_buffer(d: dict, rank: int, who: str = "") -> list[str]:
     buf = d["buffer"]
+    if buf["kind"] == "dense":
+        where = f"tp-local of tp={buf['tp_size']}"
+        over = f"dp={buf['dp_size']}"
+    else:
+        where = f"ep- and tp-local of ep={buf['ep_size']}, tp={buf['tp_size']}"
+        over = f"dp={buf['dp_size']} ({' x '.join(buf['dp_axes'])})"
     lines = [
-        f"buffer: {buf['kind']} {buf['dtype']}, {buf['params']} params, {buf['numel']} elements (padded, tp-local of "
-        f"tp={buf['tp_size']}), sharded over dp={buf['dp_size']}, {len(d['buckets'])} bucket(s)",
+        f"buffer: {buf['kind']} {buf['dtype']}, {buf['params']} params, {buf['numel']} elements (padded, {where}), "
+        f"sharded over {over}, {len(d['buckets'])} bucket(s)",
     ]
     for b in d["buckets"]:
         lines.append(
@@ -60,7 +98,7 @@ def format_layout(d: dict, rank: int) -> str:
             f"{b['shard_size']} per rank"
         )
     r = d["ranks"][rank]
-    lines.append(f"rank {rank} owns {r['owned_numel']} param elements:")
+    lines.append(f"rank {rank}{who} owns {r['owned_numel']} param elements:")
     for o in r["owned"]:
         p0, p1 = o["param"]
         w0, w1 = o["gbuf_world"]
@@ -71,4 +109,4 @@ def format_layout(d: dict, rank: int) -> str:
         )
     totals = ", ".join(f"{x['rank']}: {x['owned_numel']}" for x in d["ranks"])
     lines.append(f"owned elements per rank: {totals}")
-    return "\n".join(lines)
+    return lines

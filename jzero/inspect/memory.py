@@ -11,7 +11,10 @@ Two views of one compiled step (`compile.compile_step`), both per device:
                        owned shard under ZeRO-2 (`Zero.grad_buffer_structs`). It lives
                        inside the step, so XLA may never materialise it whole: compare
                        `temp` below.
-  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`);
+  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`),
+  summed over the data-parallel domains: dense params sharded over d = dp_outer x dp x ep,
+  a MoE's expert params (this rank's E/ep experts) over edp = dp_outer x dp
+  (`report.formula_domains`, the `formula_domains` of the JSON);
 - the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
   (the new state, aliased to the donated arguments), temp (activations, local grads,
   collective buffers) and the peak. XLA:GPU reports the peak of its schedule; XLA:CPU's
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 
 from jzero.inspect.comms import LABELS, count, header, human
 from jzero.inspect.compile import CPU, CompiledStep
-from jzero.train.report import formula_split, shard_bytes
+from jzero.train.report import formula_domains, formula_split, shard_bytes
 
 SCHEMA = "jzero.memory/1"
 PARTS = ("params", "main_params", "optimizer_moments", "grads")
@@ -61,12 +64,13 @@ def compiled_bytes(c: CompiledStep) -> dict:
 def analyze(c: CompiledStep, memory_bytes: int | None) -> dict:
     """One strategy's memory document; `memory_bytes` is the device's memory (None on cpu)."""
     state = state_bytes(c)
-    formula = formula_split(c.run)
+    formula, domains = formula_split(c.run), formula_domains(c.run)
     compiled = compiled_bytes(c)
     return {
         "compile_s": round(c.compile_s, 3),
         "state": {**state, "total": sum(state.values())},
         "formula": {**formula, "total": sum(formula.values())},
+        "formula_domains": {n: {**dom, "total": sum(dom[k] for k in PARTS)} for n, dom in domains.items()},
         "compiled": compiled,
         "fits": None if memory_bytes is None else compiled["peak"] <= memory_bytes,
     }
@@ -96,7 +100,8 @@ def format_report(doc: dict) -> str:
     lines = [
         f"per-device memory of the compiled train step, {count(doc['params'])} params "
         f"({prec['param_dtype']} params, {prec['grad_reduce_dtype']} grads), path={doc['path']}",
-        f"target {where}, {doc['device_kind']}{memory}, mesh {mesh}, d={doc['d']}",
+        f"target {where}, {doc['device_kind']}{memory}, mesh {mesh}, d={doc['d']}"
+        + ("" if doc.get("edp") is None else f", edp={doc['edp']} ({count(doc['expert_params'])} params in experts)"),
         "",
     ]
     for name, s in doc["strategies"].items():
@@ -104,6 +109,10 @@ def format_report(doc: dict) -> str:
                   f"  {'state (shardings x shapes)':<28}{'jzero':>14}{'Megatron formula':>20}"]  # fmt: skip
         for part in (*PARTS, "total"):
             lines.append(f"  {part:<28}{human(s['state'][part]):>14}{human(s['formula'][part]):>20}")
+        if len(s["formula_domains"]) > 1:
+            for name, dom in s["formula_domains"].items():  # P_local params per rank, sharded over d or edp
+                label = f"  {name} ({count(dom['numel'])}, {'d' if name == 'dense' else 'edp'}={dom['d']})"
+                lines.append(f"  {label:<28}{'':>14}{human(dom['total']):>20}")
         cb = s["compiled"]
         lines.append(
             f"  compiled: arguments {human(cb['argument'])}, outputs {human(cb['output'])} "

@@ -199,12 +199,6 @@ def _runs(m: Module, flops: Flops) -> dict[str, int]:
 # --------------------------------------------------------------------------- a compiled step
 
 
-def _is_dp(axes: tuple[str, ...]) -> bool:
-    from jzero.mesh import DENSE_DP_AXES
-
-    return bool(axes) and set(axes) <= set(DENSE_DP_AXES)
-
-
 def schedule_report(c) -> dict:
     """The `schedule` entry of `jzero hlo --json` for one compiled step (docs/inspect.md)."""
     sch = read_schedule(c.compiled.as_text())
@@ -227,7 +221,7 @@ def schedule_report(c) -> dict:
                 "exposed": o.exposed,
             }
         )
-    exposed = [r for r in rows if r["exposed"] and _is_dp(tuple(r["axes"]))]
+    exposed = [r for r in rows if r["exposed"] and hlo.is_dp_traffic(r["kind"], r["axes"])]
     return {
         "scheduled": sch.scheduled,
         "entry": sch.entry,
@@ -248,7 +242,7 @@ def format_lines(s: dict) -> list[str]:
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in sch["collectives"]:
-        if _is_dp(tuple(r["axes"])):
+        if hlo.is_dp_traffic(r["kind"], r["axes"]):
             where = "step" if r["computation"] == sch["entry"] else f"loop x{r['runs']}"
             groups.setdefault((r["kind"], ",".join(r["axes"]), where), []).append(r)
     for (kind, axes, where), rs in groups.items():

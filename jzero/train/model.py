@@ -330,7 +330,9 @@ class GPTModel:
 
     def is_expert(self, params) -> dict:
         """Per param, whether it is an expert weight (data-parallel over the expert-DP domain)."""
-        return jax.tree_util.tree_map_with_path(lambda path, _: re.search(EXPERT_PATTERN, _name(path)) is not None, params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: re.search(EXPERT_PATTERN, _name(path)) is not None, params
+        )
 
     def layer_ndims(self, params) -> dict:
         """Per param, its dims per layer and expert: with `scan_layers` the stacked [L] dim does not

@@ -5,11 +5,13 @@ beside Megatron's formula and the DDP figure (docs/megatron.md, "Bytes per param
 ZeRO-1, the owned shard under ZeRO-2). It lives only inside the step, so its bytes are read
 from the shardings the step pins on it (`Zero.grad_buffer_structs`), not from an array.
 
-Formula, with P_local the tp-local parameter count and d the DP-domain size:
+Formula, per data-parallel domain (dense params over d = dp_outer x dp x ep, expert params
+over edp = dp_outer x dp), with P_local the params one model-parallel rank holds in that domain
+(`ShardingPlan.numel_by_domain`: tp-local, and for experts this rank's E/ep experts) and d its size:
   params P_local * param_bytes; grads P_local * grad_bytes (/ d under optim_grads);
   optimizer state P_local * (main_bytes + moment_bytes) (/ d unless no_shard),
   where main_bytes is 4 for non-fp32 params (fp32 master copy), else 0 (Megatron keeps
-  no second copy of fp32 params).
+  no second copy of fp32 params). The per-device bytes are the sum over the domains.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jzero.mesh import DENSE_DP_AXES, axes_size
+from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
 
 
 def per_device_bytes(tree) -> int:
@@ -40,24 +42,14 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def formula_bytes(run, d: int | None = None) -> dict:
-    """Megatron's per-device bytes for params, grads and optimizer state; d=1 gives DDP."""
-    cfg, plan = run.cfg, run.zero.plan
-    d = axes_size(plan.mesh, DENSE_DP_AXES) if d is None else d
-    p = plan.tp_local_numel()
-    param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
-    grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
-    main_b = 0 if param_b == 4 else 4
-    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
-    inner = jax.eval_shape(run.zero.inner.init, abstract)
-    total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))
-    moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
-    shard_state = d if plan.shards_state else 1
-    shard_grads = d if plan.shards_grads else 1
+def formula_bytes(run, ddp: bool = False) -> dict:
+    """Megatron's per-device bytes for params, grads and optimizer state (module docstring);
+    `ddp` gives DDP's (nothing sharded)."""
+    f = formula_split(run, ddp)
     return {
-        "params": p * param_b,
-        "grads": p * grad_b / shard_grads,
-        "optimizer_state": p * (main_b + moment_b) / shard_state,
+        "params": f["params"],
+        "grads": f["grads"],
+        "optimizer_state": f["main_params"] + f["optimizer_moments"],
     }
 
 
@@ -89,7 +81,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         "bytes_per_device": {
             "measured": measured,
             "megatron_formula": formula_bytes(run),
-            "ddp": formula_bytes(run, d=1),
+            "ddp": formula_bytes(run, ddp=True),
         },
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
     }
@@ -131,20 +123,46 @@ def format_summary(s: dict) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def formula_split(run, d: int | None = None) -> dict:
-    """`formula_bytes` with the optimizer state split into fp32 main params and moments.
+DOMAIN_NAMES = {DENSE_DP_AXES: "dense", EXPERT_DP_AXES: "expert"}
 
-    Keys: params, main_params, optimizer_moments, grads (bytes per device); d=1 gives DDP.
+
+def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
+    """Megatron's per-device bytes of each data-parallel domain (module docstring).
+
+    Returns: {"dense": ..., "expert": ...} (only the domains that hold params), each {axes,
+    d (the domain's size), numel (P_local), params, main_params, optimizer_moments, grads}
+    (bytes per device); `ddp` gives DDP's (d = 1 for every domain).
     """
-    f = formula_bytes(run, d)
-    plan = run.zero.plan
-    d = axes_size(plan.mesh, DENSE_DP_AXES) if d is None else d
-    main_b = 0 if jnp.dtype(run.cfg.precision.param_dtype.value).itemsize == 4 else 4
-    main = plan.tp_local_numel() * main_b / (d if plan.shards_state else 1)
-    return {
-        "params": f["params"],
-        "main_params": main,
-        "optimizer_moments": f["optimizer_state"] - main,
-        "grads": f["grads"],
-    }
+    cfg, plan = run.cfg, run.zero.plan
+    param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
+    main_b = 0 if param_b == 4 else 4
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
+    inner = jax.eval_shape(run.zero.inner.init, abstract)
+    total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))
+    moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
+    out = {}
+    for axes, p in plan.numel_by_domain().items():
+        d = 1 if ddp else axes_size(plan.mesh, axes)
+        shard_state = d if plan.shards_state else 1
+        shard_grads = d if plan.shards_grads else 1
+        out[DOMAIN_NAMES[axes]] = {
+            "axes": list(axes),
+            "d": d,
+            "numel": p,
+            "params": p * param_b,
+            "main_params": p * main_b / shard_state,
+            "optimizer_moments": p * moment_b / shard_state,
+            "grads": p * grad_b / shard_grads,
+        }
+    return dict(sorted(out.items()))  # dense before expert
 
+
+def formula_split(run, ddp: bool = False) -> dict:
+    """Megatron's per-device bytes summed over the domains (`formula_domains`).
+
+    Keys: params, main_params, optimizer_moments, grads (bytes per device); `ddp` gives DDP's.
+    """
+    parts = ("params", "main_params", "optimizer_moments", "grads")
+    domains = formula_domains(run, ddp).values()
+    return {k: sum(dom[k] for dom in domains) for k in parts}

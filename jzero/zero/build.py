@@ -47,8 +47,8 @@ class Zero:
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
       grads: jitted (params, batch) -> the reduced grads as the optimizer reads them (spec:
-        per param in `plan.grad_shardings()`; flat: one [tp, S_b] array per bucket, split
-        over DP unless no_shard).
+        per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
+        [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard).
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout), where `to_model_space` puts it.
     """
@@ -87,11 +87,15 @@ class Zero:
         """The grad buffer the microbatches accumulate into, as sharded ShapeDtypeStructs in `dtype`.
 
         Full local grads per device under DDP and ZeRO-1, the owned shard under ZeRO-2
-        (`strategies.ShardingPlan.grad_buffer_shardings`; flat path: one [tp, S_b] per bucket).
+        (`strategies.ShardingPlan.grad_buffer_shardings`; flat path: one array per bucket of
+        every buffer, [tp, S_b] dense and [ep * tp, S_b] expert, `FlatPlan.bucket_specs`).
         """
         if self.flat is not None:
-            sh = NamedSharding(self.mesh, self.flat.bucket_spec(sharded=self.plan.shards_grads))
-            return [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s in self.flat.bucket_shapes()]
+            specs = self.flat.bucket_specs(sharded=self.plan.shards_grads)
+            return [
+                jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+                for shape, spec in zip(self.flat.bucket_shapes(), specs)
+            ]
         return jax.tree.map(
             lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s),
             self.plan.tensors,

@@ -1,10 +1,11 @@
 """Flat-path state <-> model space (per parameter, global shapes), for checkpoints.
 
 Megatron saves its distributed optimizer "fully reshardable": per parameter, whatever
-the buffer layout. jzero does the same, so a flat-path checkpoint restores onto any dp
-size, strategy or path (the padding of a bucket depends on dp; docs/xla.md, "orbax:
-restoring onto another sharding"). These functions work on global arrays; jit them with
-the target shardings and XLA moves only shards.
+the buffer layout. jzero does the same, for the dense and the expert buffer alike (in
+model space an expert param is global, all E experts), so a flat-path checkpoint
+restores onto any dp or ep size, strategy or path (the padding of a bucket depends on
+dp; docs/xla.md, "orbax: restoring onto another sharding"). These functions work on
+global arrays; jit them with the target shardings and XLA moves only shards.
 
 A per-param state tree (Adam's `mu`, say) is `prefix + param path` in model space and
 `prefix + [bucket]` on the flat path; scalars (step counts) keep their path.
@@ -12,6 +13,7 @@ A per-param state tree (Adam's `mu`, say) is `prefix + param path` in model spac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,46 +22,79 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import TP_AXIS
 from jzero.zero.flat_plan import FlatPlan, assemble
 from jzero.zero.state import ZeroState
+from jzero.zero.strategies import spec_axes
 
 PyTree = Any
 
 
-def _tp_dim(spec: P) -> int | None:
-    dims = [i for i, e in enumerate(spec) if e is not None]
-    return dims[0] if dims else None
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _padded(spec: P, ndim: int) -> list:
+    return list(spec) + [None] * (ndim - len(spec))
+
+
+def _rows_to_param(piece: jax.Array, axes: tuple[str, ...], spec: P, shape: tuple[int, ...]) -> jax.Array:
+    """A param's blocks `[*(size of each of axes), *local shape]` -> the global param `[*shape]`.
+
+    Blocks along an axis the param's spec does not name are copies (tp-replicated): the first is
+    taken. A dim split over axes (a, b) holds the block of rank (i, j) at block index i * |b| + j.
+    """
+    used = spec_axes(spec)
+    piece = piece[tuple(slice(None) if a in used else 0 for a in axes)]
+    kept = [a for a in axes if a in used]
+    perm = []
+    for k, entry in enumerate(_padded(spec, len(shape))):
+        perm += [kept.index(a) for a in _entry_axes(entry)] + [len(kept) + k]
+    return piece.transpose(perm).reshape(shape)
+
+
+def _param_to_rows(x: jax.Array, axes: tuple[str, ...], sizes: dict[str, int], spec: P) -> jax.Array:
+    """Inverse of `_rows_to_param`: the global param -> `[prod(sizes of axes), local numel]`, one row
+    per rank of `axes` (row-major), copied along the axes the spec does not name."""
+    split, labels = [], []
+    for k, (n, entry) in enumerate(zip(x.shape, _padded(spec, x.ndim))):
+        names = _entry_axes(entry)
+        split += [sizes[a] for a in names] + [n // math.prod(sizes[a] for a in names)]
+        labels += [*names, k]
+    local = [n for n, label in zip(split, labels) if isinstance(label, int)]
+    front = [labels.index(a) for a in axes if a in labels]
+    y = x.reshape(split).transpose(front + [i for i, label in enumerate(labels) if isinstance(label, int)])
+    y = y.reshape(*(sizes[a] if a in labels else 1 for a in axes), *local)
+    return jnp.broadcast_to(y, (*(sizes[a] for a in axes), *local)).reshape(math.prod(sizes[a] for a in axes), -1)
 
 
 def buckets_to_params(fp: FlatPlan, buckets: list[jax.Array]) -> list[jax.Array]:
-    """[tp, S_b] buckets -> global per-param arrays (leaves order)."""
-    n_tp = fp.plan.mesh.shape[TP_AXIS]
+    """Bucket arrays (every buffer's, `fp.bucket_shapes()`) -> global per-param arrays (leaves order)."""
+    sizes = dict(fp.plan.mesh.shape)
     tensors = jax.tree.leaves(fp.plan.tensors)
     out = [None] * len(fp.local_shapes)
-    for b, (start, _) in enumerate(fp.layout.bucket_indices):
-        for i in fp.layout.bucket_params[b]:
-            ps, pe, _ = fp.layout.param_index_map[i]
-            piece = buckets[b][:, ps - start : pe - start].reshape(n_tp, *fp.local_shapes[i])
-            k = _tp_dim(tensors[i].tp_spec) if fp.tp_sharded[i] else None
-            out[i] = piece[0] if k is None else jnp.moveaxis(piece, 0, k).reshape(tensors[i].shape)
+    for bucket, (buf, b) in zip(buckets, fp.buckets):
+        start = buf.layout.bucket_indices[b][0]
+        blocks = [sizes[a] for a in buf.model_axes]
+        for j in buf.layout.bucket_params[b]:
+            ps, pe, _ = buf.layout.param_index_map[j]
+            i = buf.params[j]
+            piece = bucket[:, ps - start : pe - start].reshape(*blocks, *fp.local_shapes[i])
+            out[i] = _rows_to_param(piece, buf.model_axes, tensors[i].tp_spec, tensors[i].shape)
     return out
 
 
 def params_to_buckets(fp: FlatPlan, leaves: list[jax.Array]) -> list[jax.Array]:
-    """Global per-param arrays (leaves order) -> [tp, S_b] buckets, zero in the gaps."""
-    n_tp = fp.plan.mesh.shape[TP_AXIS]
+    """Global per-param arrays (leaves order) -> every buffer's bucket arrays, zero in the gaps."""
+    sizes = dict(fp.plan.mesh.shape)
     tensors = jax.tree.leaves(fp.plan.tensors)
-    rows = []
-    for i, (x, t) in enumerate(zip(leaves, tensors)):
-        k = _tp_dim(t.tp_spec) if fp.tp_sharded[i] else None
-        if k is None:
-            piece = jnp.broadcast_to(x, (n_tp, *x.shape))
-        else:
-            piece = jnp.moveaxis(x.reshape(*x.shape[:k], n_tp, x.shape[k] // n_tp, *x.shape[k + 1 :]), k, 0)
-        rows.append(piece.reshape(n_tp, -1))
     dtype = leaves[0].dtype
-    return [assemble(fp.layout, b, rows, lambda n: jnp.zeros((n_tp, n), dtype)) for b in range(fp.n_buckets)]
+    out = []
+    for buf in fp.buffers:
+        rows = [_param_to_rows(leaves[i], buf.model_axes, sizes, tensors[i].tp_spec) for i in buf.params]
+        n_rows = math.prod(sizes[a] for a in buf.model_axes)
+        zeros = lambda n, n_rows=n_rows: jnp.zeros((n_rows, n), dtype)  # noqa: E731
+        out += [assemble(buf.layout, b, rows, zeros) for b in range(buf.n_buckets)]
+    return out
 
 
 def _abstract_inner(fp: FlatPlan, inner: optax.GradientTransformation, model_space: bool) -> PyTree:

@@ -1,13 +1,22 @@
 """The flat-buffer view of a ShardingPlan, and the per-device buffer operations the flat path uses.
 
-Each device (inside `jax.shard_map`) sees its tp-local params. They are laid into one flat
-buffer with Megatron's layout (`buffers.build_layout` over the tp-local element counts,
-params in `jax.tree.leaves` order; docs/megatron.md, "The flat buffer"), cut into buckets.
-Rank r of the DP domain owns the shard `[r*S_b/d, (r+1)*S_b/d)` of bucket b.
+As in Megatron, which keys its buffers by (param dtype, grad dtype, is_expert), the params
+are laid into up to two flat buffers (docs/megatron.md, "The flat buffer"):
 
-Global arrays (d = DP-domain size, S_b = padded size of bucket b):
-  a bucket of every tp rank:  [tp, S_b], sharded P("tp", dp_axes) (P("tp", None) unsharded)
-  inside shard_map:           [S_b] whole, or [S_b/d] the owned shard
+  dense:   the dense params, tp-local, over the dense DP domain (dp_outer x dp x ep);
+  expert:  the expert params, ep- and tp-local (`[E/ep, D, F/tp]`), over the expert DP
+           domain (dp_outer x dp). A model without expert params has no expert buffer.
+
+Each buffer is Megatron's layout (`buffers.build_layout`) over its params' local element
+counts (params in `jax.tree.leaves` order), padded to `lcm(d, 128)` with d its own DP size
+and cut into buckets. Rank r of a buffer's DP domain owns `[r*S_b/d, (r+1)*S_b/d)` of each
+of its buckets b. The plan numbers the buckets of all buffers in one sequence, dense first.
+
+Global arrays (S_b = padded size of bucket b):
+  dense bucket:     [tp, S_b]       P("tp", DENSE_DP_AXES)          (P("tp", None) unsharded)
+  expert bucket:    [ep * tp, S_b]  P(("ep", "tp"), EXPERT_DP_AXES)  (P(("ep", "tp"), None));
+                    row ep_rank * tp + tp_rank
+  inside shard_map: [1, S_b/d] the owned shard, or [1, S_b] whole (the step drops the 1)
 """
 
 from __future__ import annotations
@@ -22,12 +31,61 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import ConfigError
-from jzero.mesh import BATCH_AXES, TP_AXIS, axes_size
+from jzero.mesh import AXES, DENSE_DP_AXES, EP_AXIS, EXPERT_DP_AXES, TP_AXIS, axes_size
 from jzero.zero.buffers import Layout, build_layout
-from jzero.zero.strategies import ShardingPlan
+from jzero.zero.strategies import ShardingPlan, spec_axes
 
 PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)
+DENSE, EXPERT = "dense", "expert"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatBuffer:
+    """One flat buffer (one Megatron buffer key) and the mesh axes its buckets live on.
+
+    Attributes:
+      kind: "dense" or "expert".
+      dp_axes: its DP domain: buckets are reduced, sharded and gathered over these axes.
+      model_axes: the mesh axes its params are split over, ("tp",) or ("ep", "tp"); a bucket
+        array has one row per rank of them.
+      layout: Megatron's layout over its params' local element counts (`layout.dp_size` is
+        `d`, or 1 under no_shard: no padding); its param j is leaf `params[j]`.
+      params: leaves-order indices of its params.
+      d: size of `dp_axes`.
+      sharded: whether its optimizer state is sharded over `dp_axes` (not under no_shard).
+    """
+
+    kind: str
+    dp_axes: tuple[str, ...]
+    model_axes: tuple[str, ...]
+    layout: Layout
+    params: tuple[int, ...]
+    d: int
+    sharded: bool
+
+    @property
+    def n_buckets(self) -> int:
+        return self.layout.num_buckets
+
+    def bucket_spec(self, sharded: bool | None = None) -> P:
+        """Spec of its bucket arrays: rows over `model_axes`, columns split over DP if `sharded`."""
+        sharded = self.sharded if sharded is None else sharded
+        rows = self.model_axes[0] if len(self.model_axes) == 1 else self.model_axes
+        return P(rows, self.dp_axes if sharded else None)
+
+    def shard_size(self, b: int) -> int:
+        """Elements of its bucket b one rank steps: its owned shard, or all of it under no_shard."""
+        start, end = self.layout.bucket_indices[b]
+        return (end - start) // self.d if self.sharded else end - start
+
+    def norm_axes(self, tp_split: bool) -> tuple[str, ...]:
+        """The axes over which one device's elements of this buffer are distinct (the psum of the
+        squares in the global norm): its DP domain when sharded (else every rank holds the same),
+        ep for experts, tp for tp-split params. A tp-replicated element is identical on every tp
+        rank, so not summing over tp counts it once (Megatron's tp-duplicate rule)."""
+        axes = set(self.dp_axes if self.sharded else ()) | {a for a in self.model_axes if a != TP_AXIS}
+        return tuple(a for a in AXES if a in axes or (tp_split and a == TP_AXIS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,22 +93,31 @@ class FlatPlan:
     """The flat-buffer view of a ShardingPlan.
 
     Attributes:
-      plan: the per-tensor plan (tp specs, DP domain).
-      layout: Megatron's layout over the tp-local element counts, params in leaves order.
-      local_shapes: tp-local shape of each param (leaves order).
-      tp_sharded: per param, whether tp splits it (its grad counts on every tp rank
-        in the norm; a tp-replicated param counts once, Megatron's
+      plan: the per-tensor plan (tp specs, DP domains).
+      buffers: the dense buffer (if any dense param), then the expert buffer (if any expert param).
+      local_shapes: tp- and ep-local shape of each param (leaves order).
+      tp_sharded: per param (leaves order), whether tp splits it (its grad counts on every tp
+        rank in the norm; a tp-replicated param counts once, Megatron's
         `param_is_not_tensor_parallel_duplicate`).
     """
 
     plan: ShardingPlan
-    layout: Layout
+    buffers: tuple[FlatBuffer, ...]
     local_shapes: tuple[tuple[int, ...], ...]
     tp_sharded: tuple[bool, ...]
 
+    def buffer(self, kind: str) -> FlatBuffer | None:
+        return next((buf for buf in self.buffers if buf.kind == kind), None)
+
+    @property
+    def layout(self) -> Layout:
+        """The first buffer's layout: the dense buffer's (the only one for a dense model)."""
+        return self.buffers[0].layout
+
     @property
     def dp_axes(self) -> tuple[str, ...]:
-        return BATCH_AXES
+        """The dense DP domain (the batch's); `d` is its size, which scales every grad."""
+        return DENSE_DP_AXES
 
     @property
     def d(self) -> int:
@@ -62,65 +129,107 @@ class FlatPlan:
         return self.plan.shards_state
 
     @property
-    def n_buckets(self) -> int:
-        return self.layout.num_buckets
+    def buckets(self) -> tuple[tuple[FlatBuffer, int], ...]:
+        """Per plan bucket, (its buffer, its index in that buffer): dense buckets first."""
+        return tuple((buf, b) for buf in self.buffers for b in range(buf.n_buckets))
 
-    def bucket_spec(self, sharded: bool | None = None) -> P:
-        """Spec of a [tp, S_b] bucket array: split over DP if `sharded` (default: the state's)."""
-        sharded = self.sharded if sharded is None else sharded
-        return P(TP_AXIS, self.dp_axes if sharded else None)
+    @property
+    def n_buckets(self) -> int:
+        """Buckets over all buffers."""
+        return sum(buf.n_buckets for buf in self.buffers)
+
+    @property
+    def numel(self) -> int:
+        """Elements one device holds in all its buffers, padding included."""
+        return sum(buf.layout.numel for buf in self.buffers)
+
+    def bucket_specs(self, sharded: bool | None = None) -> list[P]:
+        """Spec of every bucket array (`FlatBuffer.bucket_spec`)."""
+        return [buf.bucket_spec(sharded) for buf, _ in self.buckets]
+
+    def bucket_spec(self, sharded: bool | None = None, b: int | None = None) -> P:
+        """Spec of bucket b's array; b may be left out when all buckets share one (a single buffer)."""
+        if b is None:
+            if len(self.buffers) > 1:
+                raise ValueError("dense and expert buckets have different specs: pass b, or use bucket_specs()")
+            b = 0
+        return self.bucket_specs(sharded)[b]
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
-        """Global [tp, S_b] shape of every bucket."""
-        n_tp = self.plan.mesh.shape[TP_AXIS]
-        return [(n_tp, end - start) for start, end in self.layout.bucket_indices]
+        """Global shape of every bucket array: [tp, S_b] dense, [ep * tp, S_b] expert."""
+        mesh = self.plan.mesh
+        return [
+            (axes_size(mesh, buf.model_axes), end - start)
+            for buf in self.buffers
+            for start, end in buf.layout.bucket_indices
+        ]
 
     def shard_size(self, b: int) -> int:
         """Elements of bucket b one rank steps: its owned shard, or all of it under no_shard."""
-        start, end = self.layout.bucket_indices[b]
-        return (end - start) // self.d if self.sharded else end - start
+        buf, local = self.buckets[b]
+        return buf.shard_size(local)
+
+
+def _local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            out[dim] //= axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(out)
 
 
 def make_flat_plan(plan: ShardingPlan, bucket_size: int | None, pad_for_high_nccl_busbw: bool) -> FlatPlan:
-    """Megatron's layout for the tp-local params of `plan` (one dense buffer).
+    """Megatron's layouts for the local params of `plan`: a dense buffer and, for expert params,
+    an expert buffer, each padded for its own DP size.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
-    expert params, or a bucket too large for int32 positions.
+    a param split over mesh axes its buffer does not know (an expert param not split over ep,
+    a dense one split over ep), or a bucket too large for int32 positions.
     """
     tensors = jax.tree.leaves(plan.tensors)
     if len({t.dtype for t in tensors}) != 1:
         raise ConfigError("zero.path=flat needs one param dtype (one buffer); got " + str({t.dtype for t in tensors}))
-    if any(t.dp_axes != BATCH_AXES for t in tensors):
-        raise ConfigError("zero.path=flat does not support expert params yet")
     mesh = plan.mesh
-    local_shapes = []
-    for t in tensors:
-        shape = list(t.shape)
-        for dim, entry in enumerate(t.tp_spec):
-            if entry is not None:
-                shape[dim] //= axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
-        local_shapes.append(tuple(shape))
-    layout = build_layout(
-        numels=[int(np.prod(s, dtype=np.int64)) for s in local_shapes],
-        dp_size=axes_size(mesh, BATCH_AXES) if plan.shards_state else 1,
-        bucket_size=bucket_size,
-        pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
-    )
-    largest = max(end - start for start, end in layout.bucket_indices)
+    local_shapes = tuple(_local_shape(t.shape, t.tp_spec, mesh) for t in tensors)
+    buffers = []
+    for kind, dp_axes, model_axes in ((DENSE, DENSE_DP_AXES, (TP_AXIS,)), (EXPERT, EXPERT_DP_AXES, (EP_AXIS, TP_AXIS))):
+        members = tuple(i for i, t in enumerate(tensors) if t.dp_axes == dp_axes)
+        if not members:
+            continue
+        for i in members:
+            axes = spec_axes(tensors[i].tp_spec)
+            if not set(axes) <= set(model_axes) or (kind == EXPERT and EP_AXIS not in axes):
+                raise ConfigError(
+                    f"zero.path=flat: {kind} param {tensors[i].name} has model-parallel spec {tensors[i].tp_spec}; "
+                    f"a {kind} param may only be split over {model_axes}"
+                    + (" and must be split over ep" if kind == EXPERT else "")
+                )
+        d = axes_size(mesh, dp_axes)
+        layout = build_layout(
+            numels=[int(np.prod(local_shapes[i], dtype=np.int64)) for i in members],
+            dp_size=d if plan.shards_state else 1,
+            bucket_size=bucket_size,
+            pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
+        )
+        buffers.append(FlatBuffer(kind, dp_axes, model_axes, layout, members, d, plan.shards_state))
+    if sum(len(buf.params) for buf in buffers) != len(tensors):
+        odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
+        raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
+    largest = max(end - start for buf in buffers for start, end in buf.layout.bucket_indices)
     if largest > MAX_BUCKET:
         raise ConfigError(
             f"zero.bucket_size: a flat bucket of {largest} elements exceeds {MAX_BUCKET}; set zero.bucket_size "
             "(Megatron's default with overlap is max(40_000_000, 1_000_000 * dp))"
         )
-    tp_sharded = tuple(any(e is not None for e in t.tp_spec) and mesh.shape[TP_AXIS] > 1 for t in tensors)
-    return FlatPlan(plan, layout, tuple(local_shapes), tp_sharded)
+    tp_sharded = tuple(TP_AXIS in spec_axes(t.tp_spec) and mesh.shape[TP_AXIS] > 1 for t in tensors)
+    return FlatPlan(plan, tuple(buffers), local_shapes, tp_sharded)
 
 
 # ---------------------------------------------------------------- per-device buffer ops
 
 
 def assemble(layout: Layout, b: int, rows: Sequence[jax.Array], zeros: Callable[[int], jax.Array]) -> jax.Array:
-    """Bucket b from per-param rows (leaves order, flattened on the last axis), with
+    """Bucket b from per-param rows (the layout's param order, flattened on the last axis), with
     `zeros(n)` in the 64-element alignment gaps and the end padding."""
     start, end = layout.bucket_indices[b]
     pieces, cursor = [], start
@@ -136,47 +245,56 @@ def assemble(layout: Layout, b: int, rows: Sequence[jax.Array], zeros: Callable[
 
 
 def flatten(fp: FlatPlan, leaves: Sequence[jax.Array], dtype) -> list[jax.Array]:
-    """tp-local param-shaped leaves -> one [S_b] array per bucket, zero in alignment/padding gaps."""
+    """Local param-shaped leaves (leaves order) -> one [S_b] array per plan bucket, zero in the gaps."""
     rows = [x.reshape(-1).astype(dtype) for x in leaves]
-    return [assemble(fp.layout, b, rows, lambda n: jnp.zeros(n, dtype)) for b in range(fp.n_buckets)]
+    zeros = lambda n: jnp.zeros(n, dtype)  # noqa: E731
+    out = []
+    for buf in fp.buffers:
+        mine = [rows[i] for i in buf.params]
+        out += [assemble(buf.layout, b, mine, zeros) for b in range(buf.n_buckets)]
+    return out
 
 
 def unflatten(fp: FlatPlan, buckets: Sequence[jax.Array], dtypes: Sequence) -> list[jax.Array]:
-    """Inverse of `flatten`: full [S_b] buckets -> tp-local params (leaves order)."""
+    """Inverse of `flatten`: full [S_b] buckets -> local params (leaves order)."""
     leaves = [None] * len(fp.local_shapes)
-    for b, (start, _) in enumerate(fp.layout.bucket_indices):
-        for i in fp.layout.bucket_params[b]:
-            ps, pe, _ = fp.layout.param_index_map[i]
-            leaves[i] = buckets[b][ps - start : pe - start].reshape(fp.local_shapes[i]).astype(dtypes[i])
+    for bucket, (buf, b) in zip(buckets, fp.buckets):
+        start = buf.layout.bucket_indices[b][0]
+        for j in buf.layout.bucket_params[b]:
+            ps, pe, _ = buf.layout.param_index_map[j]
+            i = buf.params[j]
+            leaves[i] = bucket[ps - start : pe - start].reshape(fp.local_shapes[i]).astype(dtypes[i])
     return leaves
 
 
-def owned(fp: FlatPlan, bucket: jax.Array, rank: jax.Array | int) -> jax.Array:
-    """Rank `rank`'s shard of a full [S_b] bucket: [r*S_b/d, (r+1)*S_b/d) (all of it under no_shard)."""
-    if not fp.sharded:
+def owned(buf: FlatBuffer, bucket: jax.Array, rank: jax.Array | int) -> jax.Array:
+    """Rank `rank`'s shard of a full [S_b] bucket of `buf`: [r*S_b/d, (r+1)*S_b/d) (all of it
+    under no_shard); `rank` is the rank in `buf.dp_axes`."""
+    if not buf.sharded:
         return bucket
-    size = bucket.shape[0] // fp.d
+    size = bucket.shape[0] // buf.d
     return jax.lax.dynamic_slice_in_dim(bucket, rank * size, size)
 
 
-def values_on_shard(fp: FlatPlan, b: int, per_param: Sequence[float], rank: jax.Array | int) -> jax.Array:
-    """Per element of rank `rank`'s shard of bucket b, the value of the param it belongs to.
+def values_on_shard(buf: FlatBuffer, b: int, per_param: Sequence[float], rank: jax.Array | int) -> jax.Array:
+    """Per element of rank `rank`'s shard of `buf`'s bucket b, the value of the param it belongs to.
 
-    Per-param constants laid out like the buffer (param-group multipliers, norm weights),
-    built in the step from a few comparisons instead of stored: the values are constant
-    over runs of consecutive params, and a gap or padding element takes its neighbour's
-    value (its grad and param are zero, so no update reads it). Returns f32 [shard_size(b)].
+    Per-param constants (leaves order) laid out like the buffer (param-group multipliers, norm
+    weights), built in the step from a few comparisons instead of stored: the values are
+    constant over runs of consecutive params, and a gap or padding element takes its
+    neighbour's value (its grad and param are zero, so no update reads it). `rank` is the
+    rank in `buf.dp_axes`. Returns f32 [buf.shard_size(b)].
     """
-    start, _ = fp.layout.bucket_indices[b]
+    start, _ = buf.layout.bucket_indices[b]
     runs: list[tuple[int, float]] = []  # (first position in the bucket, value), in buffer order
-    for i in fp.layout.bucket_params[b]:
-        value = float(per_param[i])
+    for j in buf.layout.bucket_params[b]:
+        value = float(per_param[buf.params[j]])
         if not runs or runs[-1][1] != value:
-            runs.append((fp.layout.param_index_map[i][0] - start, value))
-    size = fp.shard_size(b)
+            runs.append((buf.layout.param_index_map[j][0] - start, value))
+    size = buf.shard_size(b)
     if len(runs) == 1:
         return jnp.full((size,), runs[0][1], jnp.float32)
-    first = (rank * size) if fp.sharded else 0
+    first = (rank * size) if buf.sharded else 0
     position = first + jnp.arange(size, dtype=jnp.int32)
     out = jnp.full((size,), runs[0][1], jnp.float32)
     for run_start, value in runs[1:]:

@@ -1,12 +1,17 @@
 """The explicit path (`zero.path: flat`): Megatron's bucketed psum_scatter / all_gather in shard_map.
 
-Per bucket of the flat buffer (`flat_plan.py`):
+Per bucket of the flat buffers (`flat_plan.py`), over that bucket's DP domain (dp_outer x dp x ep
+for a dense bucket, dp_outer x dp for an expert bucket):
 
-  ZeRO-2 (optim_grads): psum_scatter over the DP domain every microbatch; rank r keeps
-      its shard `[r*S/d, (r+1)*S/d)`, so only the shard is ever accumulated.
+  ZeRO-2 (optim_grads): psum_scatter every microbatch; rank r of the domain keeps its
+      shard `[r*S/d, (r+1)*S/d)`, so only the shard is ever accumulated.
   ZeRO-1 (optim): the full local bucket accumulates over microbatches (Megatron's
       grad buffer), then one psum_scatter after the last: DDP's wire bytes.
   DDP (no_shard): the full local bucket accumulates, then one psum.
+
+Expert grads need no reduction over ep: the loss moves tokens to the experts' ranks and
+back (all_to_all over ep), so a rank's expert grads already hold every ep rank's tokens.
+Every grad, dense and expert, is scaled by 1 / (dense DP size x microbatches), as Megatron does.
 
 The inner optax transformation steps on the owned fp32 shards, with the param groups'
 multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards are cast
@@ -14,8 +19,9 @@ to the param dtype and all_gathered per bucket back into the params. Only elemen
 transformations mean the same on a shard as on the params: `probe.check_elementwise`
 refuses the others when the step is built.
 
-Shardings: params as the spec path (tp-sharded, replicated over DP); main params and
-every non-scalar optimizer-state leaf one [tp, S_b] array per bucket, `FlatPlan.bucket_spec()`.
+Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
+main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
+[ep * tp, S_b] expert, in `FlatPlan.bucket_specs()`.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import ConfigError
-from jzero.mesh import BATCH_AXES, TP_AXIS
+from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
 from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.probe import check_elementwise
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
+from jzero.zero.strategies import spec_axes
 from jzero.zero.update import clip_coefficient, inner_update, model_copy
 
 PyTree = Any
@@ -52,17 +59,18 @@ class FlatStep(NamedTuple):
 
 
 def opt_state_shardings(inner: optax.GradientTransformation, fp: FlatPlan) -> ZeroState:
-    """Main params and state leaves shaped like a bucket shard: [tp, S_b] per bucket; scalars replicated."""
+    """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
+    scalars replicated."""
     mesh = fp.plan.mesh
-    bucket_sh = NamedSharding(mesh, fp.bucket_spec())
-    shard_sizes = {fp.shard_size(b) for b in range(fp.n_buckets)}
+    bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
     shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
 
     def sharding(path, leaf):
         if not leaf.shape:
             return NamedSharding(mesh, P())
-        if len(leaf.shape) == 1 and leaf.shape[0] in shard_sizes:
-            return bucket_sh
+        b = getattr(path[-1], "idx", None) if path else None  # the state of bucket b sits at [..., b]
+        if len(leaf.shape) == 1 and b is not None and b < fp.n_buckets and leaf.shape[0] == fp.shard_size(b):
+            return bucket_sh[b]
         raise ConfigError(
             f"zero.path=flat: optimizer state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} is neither a "
             "scalar nor shaped like a buffer shard; use zero.path=spec"
@@ -70,7 +78,7 @@ def opt_state_shardings(inner: optax.GradientTransformation, fp: FlatPlan) -> Ze
 
     inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
     keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors))
-    return ZeroState([bucket_sh] * fp.n_buckets if keep_main else None, inner_sh)
+    return ZeroState(bucket_sh if keep_main else None, inner_sh)
 
 
 def _specs(shardings: PyTree) -> PyTree:
@@ -91,39 +99,48 @@ def build_flat_step(
     """The flat path's shardings, optimizer init, jitted step and grads.
 
     Args:
-      loss_fn: (params, local batch) -> mean loss, on tp-local params; if a tp spec splits
-        any param it is called with `tp_axis=` the mesh's tp axis and must sum its
-        row-parallel outputs over it (Megatron's `g` operator).
+      loss_fn: (params, local batch) -> mean loss, on tp- and ep-local params; if a tp spec
+        splits any param it is called with `tp_axis=` the mesh's tp axis and must sum its
+        row-parallel outputs over it (Megatron's `g` operator); if some param is split over
+        ep (expert weights) also with `ep_axis=` the mesh's ep axis, over which it sends
+        tokens to their experts' ranks and back.
       inner: an element-wise optax transformation (checked here; others raise ConfigError).
       groups: per param a `groups.ParamGroup`, or None.
     """
     mesh, plan = fp.plan.mesh, fp.plan
     check_elementwise(inner, plan, groups)
+    tensors = jax.tree.leaves(plan.tensors)
     treedef = jax.tree.structure(plan.tensors)
-    dtypes = [t.dtype for t in jax.tree.leaves(plan.tensors)]
+    dtypes = [t.dtype for t in tensors]
     param_specs = _specs(plan.param_shardings())
     opt_sh = opt_state_shardings(inner, fp)
     shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
-    reduce_spec = fp.bucket_spec()  # the reduced grads: sharded unless no_shard
-    scale = 1.0 / (fp.d * microbatches)
+    reduce_specs = fp.bucket_specs()  # the reduced grads: sharded unless no_shard
+    scale = 1.0 / (fp.d * microbatches)  # the dense DP size, for expert grads too (Megatron's)
     keep_main = opt_sh.main_params is not None
-    splits_tp = any(e is not None for t in jax.tree.leaves(plan.tensors) for e in t.tp_spec)
-    tp_kwargs = {"tp_axis": TP_AXIS} if splits_tp else {}
+    axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
+    if plan.splits_ep:
+        axis_kwargs["ep_axis"] = EP_AXIS
     group_list = None if groups is None else group_leaves(groups)
     loss_metrics = with_metrics(loss_fn, has_aux)
 
     def reduce(buckets):
-        if fp.sharded:
-            return [jax.lax.psum_scatter(g, fp.dp_axes, scatter_dimension=0, tiled=True) for g in buckets]
-        return [jax.lax.psum(g, fp.dp_axes) for g in buckets]
+        return [
+            jax.lax.psum_scatter(g, buf.dp_axes, scatter_dimension=0, tiled=True)
+            if buf.sharded
+            else jax.lax.psum(g, buf.dp_axes)
+            for (buf, _), g in zip(fp.buckets, buckets)
+        ]
 
     def local_grad_buckets(params, mb):
-        # Params are DP-invariant; differentiating them directly would make AD insert the
-        # DP all-reduce itself (the transpose of the implicit cast to varying). Casting them
-        # to DP-varying first gives this rank's local grads, which the buckets then reduce.
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, fp.dp_axes, to="varying"), params)
-        (loss, metrics), g = jax.value_and_grad(loss_metrics, has_aux=True)(params, mb, **tp_kwargs)
+        # Params are invariant over their DP domain; differentiating them directly would make AD
+        # insert the DP all-reduce itself (the transpose of the implicit cast to varying). Casting
+        # them to DP-varying first gives this rank's local grads, which the buckets then reduce.
+        # (An expert param already varies over ep, its only batch axis outside its DP domain.)
+        leaves = [jax.lax.pcast(p, t.dp_axes, to="varying") for p, t in zip(jax.tree.leaves(params), tensors)]
+        params = jax.tree.unflatten(treedef, leaves)
+        (loss, metrics), g = jax.value_and_grad(loss_metrics, has_aux=True)(params, mb, **axis_kwargs)
         g = [(x.astype(jnp.float32) * scale).astype(grad_reduce_dtype) for x in jax.tree.leaves(g)]
         return (loss, metrics), flatten(fp, g, grad_reduce_dtype)
 
@@ -150,41 +167,52 @@ def build_flat_step(
         grads_body,
         mesh=mesh,
         in_specs=(param_specs, P(BATCH_AXES)),
-        out_specs=((P(), P()), [reduce_spec] * fp.n_buckets),
+        out_specs=((P(), P()), reduce_specs),
     )
 
-    def on_shards(per_param, rank):
-        return [values_on_shard(fp, b, per_param, rank) for b in range(fp.n_buckets)]
+    def bucket_ranks():
+        """Per plan bucket, this device's rank in that bucket's DP domain."""
+        ranks = {buf.kind: jax.lax.axis_index(buf.dp_axes) for buf in fp.buffers}
+        return [ranks[buf.kind] for buf, _ in fp.buckets]
+
+    def on_shards(per_param, ranks):
+        return [values_on_shard(buf, b, per_param, r) for (buf, b), r in zip(fp.buckets, ranks)]
+
+    def global_norm(grads, ranks):
+        """Every element once across dp, ep and tp: each bucket's sums of squares (its tp-split and
+        its tp-replicated elements apart) summed over the axes its elements are distinct on."""
+        squares: dict[tuple[str, ...], jax.Array] = {}
+        for (buf, _), g, split in zip(fp.buckets, grads, on_shards(fp.tp_sharded, ranks)):
+            for weight, axes in ((split, buf.norm_axes(tp_split=True)), (1 - split, buf.norm_axes(tp_split=False))):
+                squares[axes] = squares.get(axes, 0.0) + jnp.sum(g * g * weight)
+        return jnp.sqrt(sum(jax.lax.psum(sq, axes) if axes else sq for axes, sq in squares.items()))
 
     def update_body(params, opt_state, grads):
-        rank = jax.lax.axis_index(fp.dp_axes)
+        ranks = bucket_ranks()
         grads = [g[0].astype(jnp.float32) for g in grads]
-        if not fp.sharded:  # DDP: every rank holds all of it and updates all of it
-            grads = [owned(fp, g, rank) for g in grads]
-        # Global norm: tp-split params summed over tp too, tp duplicates counted once.
-        split = on_shards(fp.tp_sharded, rank)
-        sq_split = sum(jnp.sum(g * g * w) for g, w in zip(grads, split))
-        sq_dup = sum(jnp.sum(g * g * (1 - w)) for g, w in zip(grads, split))
-        dp = fp.dp_axes if fp.sharded else ()  # no_shard: every rank holds all of it
-        norm = jnp.sqrt(jax.lax.psum(sq_split, (*dp, TP_AXIS)) + (jax.lax.psum(sq_dup, dp) if dp else sq_dup))
+        norm = global_norm(grads, ranks)
         if clip_grad is not None:
             coeff = clip_coefficient(norm, clip_grad)
             grads = [g * coeff for g in grads]
         if keep_main:
             main = [m[0] for m in opt_state.main_params]
         else:
-            main = [owned(fp, b, rank) for b in flatten(fp, jax.tree.leaves(params), jnp.float32)]
+            full = flatten(fp, jax.tree.leaves(params), jnp.float32)
+            main = [owned(buf, x, r) for (buf, _), x, r in zip(fp.buckets, full, ranks)]
         values = None
         if group_list is not None:
             values = GroupValues(
-                on_shards([g.lr_mult for g in group_list], rank), on_shards([g.wd_mult for g in group_list], rank)
+                on_shards([g.lr_mult for g in group_list], ranks), on_shards([g.wd_mult for g in group_list], ranks)
             )
         inner_state = jax.tree.map(lambda x: x[0] if x.ndim else x, opt_state.inner_state)
         updates, inner_state = inner_update(inner, grads, inner_state, main, values)
         main = optax.apply_updates(main, updates)
-        # All-gather each updated bucket in the param dtype, back into the params.
+        # All-gather each updated bucket in the param dtype over its DP domain, back into the params.
         local = model_copy(main, [dtypes[0]] * fp.n_buckets)
-        gathered = [jax.lax.all_gather(m, fp.dp_axes, tiled=True) if fp.sharded else m for m in local]
+        gathered = [
+            jax.lax.all_gather(m, buf.dp_axes, tiled=True) if buf.sharded else m
+            for (buf, _), m in zip(fp.buckets, local)
+        ]
         new_params = jax.tree.unflatten(treedef, unflatten(fp, gathered, dtypes))
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner_state)
         new_main = [m[None] for m in main] if keep_main else None
@@ -197,14 +225,14 @@ def build_flat_step(
     update_fn = jax.shard_map(
         update_body,
         mesh=mesh,
-        in_specs=(param_specs, opt_specs, [reduce_spec] * fp.n_buckets),
+        in_specs=(param_specs, opt_specs, reduce_specs),
         out_specs=(param_specs, opt_specs, P()),
         check_vma=False,
     )
 
     def init_body(params):
-        rank = jax.lax.axis_index(fp.dp_axes)
-        main = [owned(fp, b, rank) for b in flatten(fp, jax.tree.leaves(params), jnp.float32)]
+        full = flatten(fp, jax.tree.leaves(params), jnp.float32)
+        main = [owned(buf, x, r) for (buf, _), x, r in zip(fp.buckets, full, bucket_ranks())]
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner.init(main))
         return ZeroState([m[None] for m in main] if keep_main else None, inner_state)
 
@@ -225,6 +253,6 @@ def build_flat_step(
     grads_jit = jax.jit(
         grads_fn,
         in_shardings=(shardings.params, batch_sharding(mesh)),
-        out_shardings=((replicated, replicated), [NamedSharding(mesh, reduce_spec)] * fp.n_buckets),
+        out_shardings=((replicated, replicated), [NamedSharding(mesh, spec) for spec in reduce_specs]),
     )
     return FlatStep(shardings, init_opt, step_jit, lambda params, batch: grads_jit(params, batch)[1])

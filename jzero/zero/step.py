@@ -64,9 +64,7 @@ def reduced_grads(
     loss_metrics = with_metrics(loss_fn, has_aux)
     ep_kwargs = {"ep_axis": EP_AXIS} if plan.splits_ep else {}
     mbs = split_batch(batch, n_dp, microbatches)
-    mbs = jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs
-    )
+    mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
 
     def rank_grads(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and metrics, [1, *shape] grads
         # DP-varying, so autodiff gives local grads (an expert param already varies over ep).

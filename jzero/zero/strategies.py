@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ShardingStrategy
+from jzero.config import ConfigError, ShardingStrategy
 from jzero.mesh import EP_AXIS, axes_size, dp_axes
 
 PyTree = Any
@@ -189,11 +189,22 @@ class ShardingPlan:
         return {tuple(path): (i, t) for i, (path, t) in enumerate(leaves)}
 
     def tp_local_numel(self) -> int:
-        """Parameters one tp rank holds (the P of Megatron's per-device formulas)."""
-        total = 0
+        """Parameters one model-parallel rank holds: each param's shard over the axes of its
+        `tp_spec` (tp; and ep for an expert weight). The sum of `numel_by_domain`."""
+        return sum(self.numel_by_domain().values())
+
+    def numel_by_domain(self) -> dict[tuple[str, ...], int]:
+        """Parameters one model-parallel rank holds, per data-parallel domain: {dp_axes: numel}.
+
+        The P of Megatron's per-device formulas, one per domain (docs/megatron.md, "Bytes per
+        parameter"): dense params `W[D, F_tp]` over `DENSE_DP_AXES`, expert params
+        `W[E_ep, D, F_tp]` (this rank's experts) over `EXPERT_DP_AXES`. A dense model has one entry.
+        """
+        out: dict[tuple[str, ...], int] = {}
         for t in jax.tree.leaves(self.tensors):
-            total += t.numel // math.prod(_tp_size(self.mesh, e) for e in t.tp_spec if e is not None)
-        return total
+            local = t.numel // math.prod(_tp_size(self.mesh, e) for e in t.tp_spec if e is not None)
+            out[t.dp_axes] = out.get(t.dp_axes, 0) + local
+        return out
 
     def replicated(self) -> list[tuple[str, int]]:
         """(name, fp32 bytes) of every tensor ZeRO leaves replicated over its DP domain."""
@@ -250,6 +261,14 @@ def make_plan(
         is_expert = jax.tree.map(lambda _: False, abstract_params)
 
     def plan_one(path, x, spec, expert):
+        if bool(expert) != (EP_AXIS in spec_axes(spec)):
+            # An expert weight replicated over ep would be reduced over too few ranks, a dense
+            # one split over ep over too many: refuse either mix-up here, not as wrong grads.
+            raise ConfigError(
+                f"param {path_name(path)}: is_expert={bool(expert)} but its spec {spec} "
+                + ("does not split it over 'ep'" if expert else "splits it over 'ep'")
+                + " (expert weights, and only they, have their expert dim split over 'ep')"
+            )
         axes = dp_axes(expert)
         shard_dim = choose_shard_dim(tuple(x.shape), spec, axes_size(mesh, axes), mesh)
         return TensorPlan(path_name(path), tuple(x.shape), np.dtype(x.dtype), spec, axes, shard_dim)
