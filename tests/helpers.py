@@ -115,8 +115,10 @@ def setup_free_dataset(cfg: Config):
     return make_dataset(cfg)
 
 
-def run_steps(cfg: Config, steps: int = STEPS, devices=None):
-    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state)."""
+def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None = None):
+    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state).
+
+    record: if given, each step's metrics (floats) are appended to it."""
     run = setup(cfg, devices)
     state = run.init_state()
     init = jax.device_get(state.params)
@@ -125,6 +127,8 @@ def run_steps(cfg: Config, steps: int = STEPS, devices=None):
         state, m = run.zero.step(state, run.device_batch(i))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
+        if record is not None:
+            record.append({k: float(v) for k, v in m.items()})
     return run, init, np.array(losses), np.array(norms), state
 
 

@@ -45,6 +45,9 @@ def test_overrides_are_typed():
         (["optimizer.param_groups=[{lr_mult: 2}]"], "optimizer.param_groups[0].pattern is required"),
         (["optimizer.param_groups=[{pattern: a, lr_mult: -1}]"], "optimizer.param_groups[0].lr_mult=-1.0 must be >= 0"),
         (["optimizer.name=sgd", "optimizer.param_groups=[{pattern: a, wd_mult: 0}]"], "sgd has no weight decay"),
+        (["model.moe.num_experts=6", "mesh.ep=4"], "model.moe.num_experts=6 must be divisible by mesh.ep=4"),
+        (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must be in [1, model.moe.num_experts=4]"),
+        (["model.moe.num_experts=4", "model.moe.capacity_factor=nan"], "model.moe.capacity_factor=nan must be"),
     ],
 )
 def test_bad_input_is_one_clear_line(overrides, needle, capsys, tmp_path):
@@ -85,3 +88,15 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     assert b["measured"]["optimizer_state"] < b["ddp"]["optimizer_state"]
     out = capsys.readouterr().out
     assert "per-device memory" in out and "Megatron formula" in out
+
+
+def test_moe_one_liner_reports_its_routing(tmp_path, capsys):
+    """README's MoE run (shortened): metrics gain aux_loss and dropped_frac, the summary a MoE line."""
+    argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=3", "--set", "data.kind=synthetic"]
+    argv += ["--set", "model.moe.num_experts=4", "--set", "mesh.ep=2"]
+    assert main(argv + TINY) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all({"aux_loss", "dropped_frac"} <= set(r) for r in rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mesh"]["ep"] == 2 and 0 <= summary["moe"]["dropped_frac_mean"] < 1
+    assert "MoE: load-balancing loss" in capsys.readouterr().out

@@ -84,7 +84,16 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
             "ddp": formula_bytes(run, ddp=True),
         },
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
+        **_moe(metrics),
     }
+
+
+def _moe(metrics: list[dict]) -> dict:
+    """{"moe": {aux_loss_last, dropped_frac_mean}} for a MoE model's run, else {}."""
+    if "dropped_frac" not in metrics[0]:
+        return {}
+    dropped = sum(m["dropped_frac"] for m in metrics) / len(metrics)
+    return {"moe": {"aux_loss_last": metrics[-1]["aux_loss"], "dropped_frac_mean": dropped}}
 
 
 def _devices(mesh) -> dict:
@@ -114,6 +123,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"  {key:18}{row}")
     tot = {k: sum(v.values()) for k, v in b.items()}
     lines.append(f"  {'total':18}{_fmt(tot['measured']):>14}{_fmt(tot['megatron_formula']):>20}{_fmt(tot['ddp']):>14}")
+    if "moe" in s:
+        lines.append(
+            f"MoE: load-balancing loss {s['moe']['aux_loss_last']:.4f} at the last step (1 = balanced), "
+            f"{100 * s['moe']['dropped_frac_mean']:.2f}% of token copies over capacity (mean over steps)"
+        )
     rep = s["replicated_tensors"]
     if rep:
         lines.append(f"  left replicated over DP (no divisible dim free of tp): {len(rep)} tensors")
