@@ -82,20 +82,17 @@ def test_all_to_all_sends_each_expert_its_slots_from_every_rank_and_back():
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp{}-ep{}-tp{}".format(*m))
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_moe_matches_single_device_optax(strategy, mesh, microbatches, path):
-    """Losses, grad norms (every element once across dp, ep and tp) and params after 5 steps."""
-    assert_matches_reference(moe_config(strategy, mesh, microbatches, path))
+    """Losses, grad norms (every element once across dp, ep and tp) and params after 5 steps; the
+    step's metrics report the routing: capacity 1.0 drops a few token copies, and Switch's
+    load-balancing loss is 1 when perfectly balanced, more otherwise."""
+    for m in assert_matches_reference(moe_config(strategy, mesh, microbatches, path)):
+        assert 0.0 < m["dropped_frac"] < 0.5
+        assert m["aux_loss"] >= 1.0 - 1e-6
 
 
 def test_dropless_routing_drops_nothing_and_matches():
     metrics = assert_matches_reference(moe_config("optim_grads", (4, 2, 1), 1, capacity_factor=None))
     assert all(m["dropped_frac"] == 0.0 for m in metrics)
-
-
-def test_step_metrics_report_the_load_balancing_loss_and_the_dropped_tokens():
-    metrics = assert_matches_reference(moe_config("optim", (2, 2, 2), 2, "flat", capacity_factor=0.75))
-    for m in metrics:
-        assert 0.0 < m["dropped_frac"] < 0.75  # over capacity: some copies dropped, most kept
-        assert m["aux_loss"] >= 1.0 - 1e-6  # Switch's loss is 1 when perfectly balanced, more otherwise
 
 
 # ---------------------------------------------------------------- sharding
@@ -172,9 +169,9 @@ def saved(tmp_path_factory):
     return directory, _save_two_steps(directory, moe_config("optim_grads", (4, 2, 1)))
 
 
-def _check_restored(directory, whole, cfg):
+def _check_restored(directory, whole, cfg, train: bool = False):
     """Restores step 2 onto `cfg`: each device's shard of each expert array is the saved slice at
-    its index; then one more step trains."""
+    its index; with `train`, one more step then trains."""
     run = setup(cfg)
     reader = Checkpointer(directory, run, writer=False)
     state = reader.restore(2)
@@ -184,8 +181,9 @@ def _check_restored(directory, whole, cfg):
         for shard in x.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), whole[name][shard.index], err_msg=name)
     reader.close()
-    _, m = run.zero.step(state, run.device_batch(2))
-    assert np.isfinite(float(m["loss"]))
+    if train:
+        _, m = run.zero.step(state, run.device_batch(2))
+        assert np.isfinite(float(m["loss"]))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +207,7 @@ def test_a_flat_path_checkpoint_restores_its_experts_onto_the_spec_path(tmp_path
     whole = _save_two_steps(tmp_path / "ck", saved_cfg)
     assert any(name.startswith("main_params") for name in whole)
     target = tiny_config("optim_grads", (2, 4, 1), 1, zero={"path": "spec"}, model={"moe": MOE}, **bf16)
-    _check_restored(tmp_path / "ck", whole, target)
+    _check_restored(tmp_path / "ck", whole, target, train=True)
 
 
 def test_reference_routes_per_rank_and_microbatch():
