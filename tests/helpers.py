@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
+import hashlib
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ from jzero.zero.groups import ParamGroup
 from jzero.zero.update import clip_by_global_norm
 
 STEPS = 5
+REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
 
 
 def tiny_config(strategy="optim_grads", mesh=(8, 1, 1), microbatches=1, **sections) -> Config:
@@ -85,6 +90,31 @@ def grouped_loss(model: GPTModel, groups: int):
 
 @functools.cache
 def _reference_run(cfg: Config, steps: int, groups: int = 1):
+    """`_compute_reference`, computed once per test session: the first pytest-xdist worker to need
+    it computes it under a file lock and saves it in the session's directory (`conftest.py`)."""
+    shared = os.environ.get(REFERENCE_DIR)
+    if shared is None:
+        return _compute_reference(cfg, steps, groups)
+    key = hashlib.sha256(repr((cfg, steps, groups)).encode()).hexdigest()[:24]
+    path = Path(shared) / f"{key}.npz"
+    treedef = jax.tree.structure(GPTModel(cfg.model, seed=cfg.train.seed).abstract_params())
+    with open(Path(shared) / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this reference, then loads it
+        if not path.exists():
+            init, losses, norms, params = _compute_reference(cfg, steps, groups)
+            arrays = {f"init{i}": x for i, x in enumerate(jax.tree.leaves(init))}
+            arrays |= {f"params{i}": x for i, x in enumerate(jax.tree.leaves(params))}
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, losses=losses, norms=norms, **arrays)
+            os.replace(tmp, path)
+    with np.load(path) as f:
+        n = treedef.num_leaves
+        init = jax.tree.unflatten(treedef, [f[f"init{i}"] for i in range(n)])
+        params = jax.tree.unflatten(treedef, [f[f"params{i}"] for i in range(n)])
+        return init, f["losses"], f["norms"], params
+
+
+def _compute_reference(cfg: Config, steps: int, groups: int):
     model = GPTModel(cfg.model, seed=cfg.train.seed)
     loss_fn = grouped_loss(model, groups)
     tx = plain_optax(cfg, model)
