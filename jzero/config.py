@@ -32,6 +32,13 @@ class ShardingStrategy(str, enum.Enum):
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
 
 
+class OuterStrategy(str, enum.Enum):
+    """Megatron-FSDP's `outer_dp_sharding_strategy`: what HSDP shards across the `dp_outer` replicas."""
+
+    NO_SHARD = "no_shard"  # each replica holds the whole (inner-sharded) state; grads all-reduced across
+    OPTIM = "optim"  # the optimizer state and fp32 main params are also sharded across the replicas
+
+
 class ZeroPath(str, enum.Enum):
     """How the data-parallel collectives are produced."""
 
@@ -152,6 +159,8 @@ class ZeroConfig:
     path: ZeroPath = ZeroPath.SPEC
     bucket_size: int | None = None  # elements per flat bucket; None = one bucket per buffer
     pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
+    reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
+    outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,7 +544,10 @@ def validate(cfg: Config) -> None:
     _check_moe(m, mesh)
     if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
-    if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ConfigError("zero.strategy=optim_grads_params (ZeRO-3) is not yet supported")
-    if mesh.dp_outer != 1:
-        raise ConfigError(f"mesh.dp_outer={mesh.dp_outer}: HSDP is not yet supported, use 1")
+    if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and cfg.zero.path == ZeroPath.FLAT:
+        raise ConfigError(
+            "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
+            "per-unit buckets yet"
+        )
+    if mesh.dp_outer != 1 and cfg.zero.path == ZeroPath.FLAT:
+        raise ConfigError(f"mesh.dp_outer={mesh.dp_outer}: HSDP runs on zero.path=spec only, for now")

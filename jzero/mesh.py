@@ -25,6 +25,7 @@ EXPERT_DP_AXES = ("dp_outer", "dp")
 BATCH_AXES = DENSE_DP_AXES
 TP_AXIS = "tp"
 EP_AXIS = "ep"
+OUTER_AXIS = "dp_outer"
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:

@@ -126,6 +126,7 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
         model.tp_specs(abstract),
         cfg.zero,
         is_expert=model.is_expert(abstract),
+        units=model.units(abstract),
         groups=param_groups(cfg, model, abstract),
         clip_grad=cfg.optimizer.clip_grad,
         microbatches=cfg.train.microbatches,

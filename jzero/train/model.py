@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.config import MlpKind, ModelConfig, NormKind, PosKind
 from jzero.mesh import EP_AXIS
 from jzero.train import moe
+from jzero.zero import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
 # Specs are right-aligned on the param's shape (the tp dim counted from the end), so the
@@ -260,16 +261,13 @@ class GPT(nnx.Module):
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
     def _run_blocks(self, x, tp_axis, ep_axis):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks)."""
-        if not (self.scan_layers or self.remat):
-            stats = jnp.zeros((2,), jnp.float32)
-            for block in self.blocks:
-                x, s = block(x, tp_axis, ep_axis)
-                stats = stats + s
-            return x, stats
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks).
+
+        Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
+        before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
-            return nnx.merge(graphdef, state)(x, tp_axis, ep_axis)
+            return units.unit(lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis), state, x)
 
         if self.remat:  # Megatron's full recompute: keep only each block's input for backward
             layer = jax.checkpoint(layer, static_argnums=0)
@@ -326,6 +324,14 @@ class GPTModel:
         """Model-parallel PartitionSpec per param (tp, and ep on expert dims), same structure as params."""
         return jax.tree_util.tree_map_with_path(
             lambda path, x: tp_spec(_name(path), x.ndim, self._stacked(path)), params
+        )
+
+    def units(self, params) -> dict:
+        """Per param, its FSDP unit (`jzero.zero.build.build_zero`'s `units`): each block is one
+        unit, whose params have 1 leading stacked-layer dim with `scan_layers` (else 0); the
+        embeddings, final norm and head are in none."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: int(self._stacked(path)) if _name(path).startswith("blocks/") else None, params
         )
 
     def is_expert(self, params) -> dict:

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError, ShardingStrategy, ZeroConfig, ZeroPath
+from jzero.config import ConfigError, ZeroConfig, ZeroPath
 from jzero.zero.batch import batch_sharding
 from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat_plan import FlatPlan, make_flat_plan
@@ -112,6 +112,7 @@ def build_zero(
     zero: ZeroConfig = ZeroConfig(),
     *,
     is_expert: PyTree | None = None,
+    units: PyTree | None = None,
     groups: PyTree | None = None,
     clip_grad: float | None = None,
     microbatches: int = 1,
@@ -135,6 +136,12 @@ def build_zero(
       tp_specs: same structure, each param's tensor-parallel PartitionSpec (P() if none).
       zero: strategy, path and flat-buffer options.
       is_expert: same structure, True for expert params (default: all dense).
+      units: same structure, per param None (in no FSDP unit) or its number of leading
+        stacked-layer dims: 0 for one block's param, 1 for a `scan`ned stack [L, ...]. The
+        loss must run each unit through `jzero.zero.units.unit` (`GPTModel.units` marks its
+        blocks). Under ZeRO-2/3 a unit's grads are then reduce-scattered as soon as its
+        backward is done, and ZeRO-3 gathers its params just before it runs. Default: no
+        units (ZeRO-3 gathers every param before the loss, ZeRO-2 reduces after backward).
       groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.
       clip_grad: global-norm clipping across shards (Megatron's), None = off.
       microbatches: gradient accumulation steps per `step`.
@@ -142,12 +149,15 @@ def build_zero(
       has_aux: `loss_fn` returns (loss, metrics); the step's metrics then hold each one's
         mean over ranks and microbatches.
     """
-    if zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ConfigError("zero.strategy=optim_grads_params (ZeRO-3) is not yet supported")
-    plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert)
+    plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
     model_opt_sh = opt_state_shardings(inner, plan)
     if zero.path == ZeroPath.FLAT:
+        if plan.shards_params:
+            raise ConfigError(
+                "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
+                "per-unit buckets yet"
+            )
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
@@ -156,7 +166,10 @@ def build_zero(
         return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
     optimizer = zero_optimizer(inner, plan, clip_grad, groups)
     shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
-    kwargs = dict(microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux)
+    kwargs = dict(
+        microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
+        reshard_after_forward=zero.reshard_after_forward,
+    )  # fmt: skip
     step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
     grads = build_grads(loss_fn, plan, **kwargs)
     return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh)

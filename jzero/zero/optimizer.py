@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import DENSE_DP_AXES, axes_size
+from jzero.mesh import axes_size
 from jzero.zero import groups as groups_lib
 from jzero.zero.state import ZeroState, keeps_main_params
 from jzero.zero.strategies import ShardingPlan, choose_shard_dim
@@ -61,8 +61,9 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
     A leaf whose key path ends in a param's path and whose shape is the param's (Adam's
     mu and nu, MultiSteps' accumulated grads, ...) follows `plan.state_shardings()`. Any
     other leaf gets a spec of its own: replicated if it is a scalar or the strategy keeps
-    the state replicated, else its largest dim divisible by the DP size split over the DP
-    domain (of the param it belongs to, if any), else replicated.
+    the state replicated, else its largest dim divisible by the DP size split over the axes
+    the state of the param it belongs to (if any; else a dense param's) is split over, else
+    replicated.
     """
     replicated = NamedSharding(plan.mesh, P())
 
@@ -73,7 +74,7 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
             return NamedSharding(plan.mesh, plan.state_spec(tensor))
         if not leaf.shape or not plan.shards_state:
             return replicated
-        axes = DENSE_DP_AXES if tensor is None else tensor.dp_axes
+        axes = plan.dense_shard_axes() if tensor is None else tensor.shard_axes
         dim = choose_shard_dim(tuple(leaf.shape), P(), axes_size(plan.mesh, axes), plan.mesh)
         if dim is None:
             return replicated

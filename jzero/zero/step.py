@@ -15,6 +15,13 @@ all-reduce + dynamic-slice: docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU").
 Accumulation over microbatches follows Megatron: DDP and ZeRO-1 accumulate the
 local grads and reduce once; ZeRO-2 reduces every microbatch into a sharded
 accumulator, so no rank ever holds a full reduced gradient.
+
+ZeRO-2 and ZeRO-3 go further, per FSDP unit (`units.py`): the loss gets each param as a
+`UnitParam` and the step differentiates it with respect to the zero "sinks" shaped like the
+rank's grad shard, so each unit's grads are reduce-scattered (psum_scatter over the inner
+DP axes, then reduced across dp_outer under HSDP) as soon as that unit's backward is done,
+inside the layer loop; no rank holds the whole unreduced gradient. ZeRO-3's params enter
+as shards and are all-gathered per unit, just before the unit runs.
 """
 
 from __future__ import annotations
@@ -27,13 +34,87 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import BATCH_AXES, EP_AXIS, axes_size
+from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
 from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.optimizer import ZeroOptimizer
 from jzero.zero.state import LossFn, TrainState, with_metrics
-from jzero.zero.strategies import ShardingPlan, restrict, spec_axes
+from jzero.zero.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
+from jzero.zero.units import Hook, UnitParam, materialize
 
 PyTree = Any
+
+
+def unit_hooks(plan: ShardingPlan, scale: float, reduce_dtype, reshard_after_forward: bool) -> PyTree:
+    """Per param, the `units.Hook` that materializes it and reduces its grad (ZeRO-2/3)."""
+
+    def hook(t: TensorPlan) -> Hook:
+        gather = plan.shards_params and t.shard_dim is not None
+        varying = set(spec_axes(restrict(plan.param_spec(t), BATCH_AXES))) | (set(t.inner_axes) if gather else set())
+        return Hook(
+            dim=None if t.shard_dim is None else t.shard_dim - len(t.shape),
+            inner=t.inner_axes,
+            outer=tuple(a for a in t.dp_axes if a not in t.inner_axes),
+            outer_scatter=OUTER_AXIS in t.shard_axes,
+            gather=gather,
+            to_varying=tuple(a for a in BATCH_AXES if a not in varying),
+            scale=scale,
+            reduce_dtype=jnp.dtype(reduce_dtype).name,
+            reshard=gather and reshard_after_forward,
+            tp_spec=_tp_only(plan, t),
+        )
+
+    return jax.tree.map(hook, plan.tensors)
+
+
+def _tp_only(plan: ShardingPlan, t: TensorPlan) -> tuple | None:
+    """`t`'s spec over the axes the grads shard_map leaves to XLA (`units.Hook.tp_spec`), one entry
+    per dim; None if they split no dim, or split the shard dim (jointly with DP)."""
+    spec = restrict(t.tp_spec, tuple(a for a in plan.mesh.axis_names if a not in BATCH_AXES))
+    entries = tuple(spec) + (None,) * (len(t.shape) - len(spec))
+    if all(e is None for e in entries) or (t.shard_dim is not None and entries[t.shard_dim] is not None):
+        return None
+    return entries
+
+
+def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs):
+    """ZeRO-2/3 (module docstring): (losses [M, n_dp], metrics, grads summed over the microbatches,
+    each grad the rank's shard of the DP-reduced grad, in `plan.grad_shardings()`)."""
+    mesh = plan.mesh
+    grad_sh = plan.grad_shardings()
+    sink_specs = jax.tree.map(lambda t: restrict(t.zero_spec, BATCH_AXES), plan.tensors)
+
+    def rank_grads(params, sinks, mb):  # one rank: [1, b, ...] rows -> [1] loss, metrics; its grad shards
+        def loss_of(sinks):
+            def wrap(p, sink, h, t):
+                x = UnitParam(p, sink, h)
+                return x if t.unit_dims is not None else materialize(x)  # not in a unit: now, for the whole loss
+
+            wrapped = jax.tree.map(wrap, params, sinks, hooks, plan.tensors)
+            return loss_metrics(wrapped, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
+
+        (loss, metrics), g = jax.value_and_grad(loss_of, has_aux=True)(sinks)
+        return loss[None], jax.tree.map(lambda m: m[None], metrics), g
+
+    stacked = P(BATCH_AXES)
+    fn = jax.shard_map(
+        rank_grads,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda t: restrict(plan.param_spec(t), BATCH_AXES), plan.tensors), sink_specs, stacked),
+        out_specs=(stacked, stacked, sink_specs),
+        axis_names=set(BATCH_AXES),
+    )
+    sinks = jax.tree.map(lambda t, s: _zeros(t.shape, reduce_dtype, s), plan.tensors, grad_sh)
+
+    def body(acc, mb):
+        loss, metrics, g = fn(params, sinks, mb)
+        g = jax.tree.map(jax.lax.with_sharding_constraint, g, grad_sh)
+        return (g if acc is None else jax.tree.map(jnp.add, acc, g)), (loss, metrics)
+
+    if jax.tree.leaves(mbs)[0].shape[0] == 1:
+        g, (loss, metrics) = body(None, jax.tree.map(lambda x: x[0], mbs))
+        return loss[None], jax.tree.map(lambda m: m[None], metrics), g
+    acc, (losses, metrics) = jax.lax.scan(body, sinks, mbs)
+    return losses, metrics, acc
 
 
 def reduced_grads(
@@ -44,6 +125,7 @@ def reduced_grads(
     microbatches: int,
     reduce_dtype: jnp.dtype,
     has_aux: bool = False,
+    reshard_after_forward: bool = True,
 ) -> tuple[jax.Array, dict, PyTree]:
     """Mean loss, mean metrics and the data-parallel mean of the gradients, in `plan.grad_shardings()`.
 
@@ -65,6 +147,14 @@ def reduced_grads(
     ep_kwargs = {"ep_axis": EP_AXIS} if plan.splits_ep else {}
     mbs = split_batch(batch, n_dp, microbatches)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
+
+    def means(loss, metrics):
+        return jnp.mean(loss), jax.tree.map(jnp.mean, metrics)
+
+    if plan.shards_grads:
+        hooks = unit_hooks(plan, scale, reduce_dtype, reshard_after_forward)
+        losses, metrics, g = _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs)
+        return *means(losses, metrics), g
 
     def rank_grads(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and metrics, [1, *shape] grads
         # DP-varying, so autodiff gives local grads (an expert param already varies over ep).
@@ -98,22 +188,9 @@ def reduced_grads(
         summed = jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=reduce_dtype), g)
         return jax.tree.map(jax.lax.with_sharding_constraint, summed, grad_sh)
 
-    def means(loss, metrics):
-        return jnp.mean(loss), jax.tree.map(jnp.mean, metrics)
-
     if microbatches == 1:
         loss, metrics, g = local_grads(jax.tree.map(lambda x: x[0], mbs))
         return *means(loss, metrics), reduce(g)
-
-    if plan.shards_grads:
-        # ZeRO-2: reduce-scatter each microbatch into the sharded accumulator.
-        def body(acc, mb):
-            loss, metrics, g = local_grads(mb)
-            return jax.tree.map(jnp.add, acc, reduce(g)), means(loss, metrics)
-
-        acc0 = jax.tree.map(lambda t, s: _zeros(t.shape, reduce_dtype, s), plan.tensors, grad_sh)
-        acc, (losses, metrics) = jax.lax.scan(body, acc0, mbs)
-        return *means(losses, metrics), acc
 
     # DDP / ZeRO-1: accumulate local grads, reduce once.
     def body(acc, mb):
@@ -144,6 +221,7 @@ def build_train_step(
     microbatches: int = 1,
     grad_reduce_dtype: jnp.dtype = jnp.float32,
     has_aux: bool = False,
+    reshard_after_forward: bool = True,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """A jitted `step(state, batch) -> (state, metrics)` with pinned in/out shardings.
 
@@ -155,6 +233,7 @@ def build_train_step(
       microbatches: gradient accumulation steps.
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
       has_aux: `loss_fn` returns (loss, metrics dict), as in `jax.value_and_grad`.
+      reshard_after_forward: ZeRO-3: gather each unit's params again for its backward.
     Returns:
       step; `batch` leaves are `[B, ...]` split over the dense DP domain; the state is
       donated. metrics: {"loss", "grad_norm"} (the norm before clipping) and the loss's own.
@@ -162,7 +241,7 @@ def build_train_step(
 
     def step(state: TrainState, batch: PyTree):
         loss, metrics, grads = reduced_grads(
-            loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype, has_aux
+            loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype, has_aux, reshard_after_forward
         )
         params, opt_state, norm = optimizer.step(grads, state.opt_state, state.params)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm, **metrics}
@@ -183,6 +262,7 @@ def build_grads(
     microbatches: int = 1,
     grad_reduce_dtype: jnp.dtype = jnp.float32,
     has_aux: bool = False,
+    reshard_after_forward: bool = True,
 ) -> Callable[[PyTree, PyTree], PyTree]:
     """A jitted `grads(params, batch)`: the reduced grads alone, in `plan.grad_shardings()`.
 
@@ -191,7 +271,8 @@ def build_grads(
     """
 
     def grads(params, batch):
-        return reduced_grads(loss_fn, params, batch, plan, microbatches, grad_reduce_dtype, has_aux)[2]
+        args = (microbatches, grad_reduce_dtype, has_aux, reshard_after_forward)
+        return reduced_grads(loss_fn, params, batch, plan, *args)[2]
 
     return jax.jit(
         grads,

@@ -11,6 +11,8 @@ strategy (Megatron's `data_parallel_sharding_strategy`):
 | no_shard (DDP)      | W[D, F_tp]   | W[D, F_tp]    | W[D, F_tp]    | W[D, F_tp]                         |
 | optim (ZeRO-1)      | W[D, F_tp]   | W[D, F_tp]    | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
 | optim_grads (ZeRO-2)| W[D, F_tp]   | W[D_dp, F_tp] | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+| optim_grads_params  | W[D_dp, F_tp]| W[D_dp, F_tp] | W[D_dp, F_tp] | W[D_dp, F_tp]                      |
+|   (ZeRO-3 / FSDP)   |              |               |               |                                    |
 
 The grad buffer is what the microbatches accumulate into (Megatron's `grad_data`): the
 rank's local grads under DDP and ZeRO-1, reduced once after the last microbatch (an
@@ -18,9 +20,19 @@ all-reduce for DDP, a reduce-scatter for ZeRO-1: the same wire bytes as DDP's al
 with the param all-gather, docs/megatron.md, "Bytes on the wire"); the owned shard of the
 reduced grads under ZeRO-2, which reduce-scatters every microbatch into it.
 
-Each tensor gets its largest dim that is free of tp and divisible by the DP size
-(else a tp-split dim divisible by tp x DP, split over both). A tensor with no such
-dim stays replicated; `ShardingPlan.replicated()` lists it so nothing is silently unsharded.
+ZeRO-2 and ZeRO-3 reduce each FSDP unit's grads as soon as its backward is done, and ZeRO-3
+gathers a unit's params just before it runs (`units.py`).
+
+HSDP (`dp_outer > 1`, Megatron's `num_distributed_optimizer_instances`): the DP domain is
+dp_outer x inner, inner = (dp, ep) for dense params and (dp,) for expert params. What the
+table shards over D_dp is sharded over the inner axes only and replicated across dp_outer;
+with `outer_strategy: optim` the fp32 main params and optimizer state (and ZeRO-2/3's
+reduced grads) are also split across dp_outer, inner axes first: `W[D_(inner, dp_outer), F_tp]`.
+
+Each tensor gets its largest dim that is free of tp and divisible by the DP size it is
+split over (else a tp-split dim divisible by that size x tp, split over DP then tp); the
+leading stacked-layer dims of a unit's params are never it. A tensor with no such dim stays
+replicated; `ShardingPlan.replicated()` lists it so nothing is silently unsharded.
 """
 
 from __future__ import annotations
@@ -36,8 +48,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError, ShardingStrategy
-from jzero.mesh import EP_AXIS, axes_size, dp_axes
+from jzero.config import ConfigError, OuterStrategy, ShardingStrategy
+from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, axes_size, dp_axes
 
 PyTree = Any
 
@@ -51,9 +63,15 @@ class TensorPlan:
       shape, dtype: of the model param (global shape).
       tp_spec: the model-parallel PartitionSpec: tp, and ep on an expert weight's expert
         dim, e.g. P(None, "tp") or P("ep", None, "tp").
-      dp_axes: the param's data-parallel domain.
-      shard_dim: the dim split over `dp_axes` in the ZeRO layout (jointly with tp if
+      dp_axes: the param's data-parallel domain (its grads are averaged over it).
+      inner_axes: the DP axes its ZeRO-3 model param and ZeRO-2/3 unit reduce-scatter span:
+        `dp_axes` less dp_outer when HSDP replicates across it, else `dp_axes`.
+      shard_axes: the DP axes its fp32 main param and optimizer state are split over, in
+        layout order: `inner_axes`, then dp_outer under HSDP `outer_strategy: optim`.
+      shard_dim: the dim split over `shard_axes` in the ZeRO layout (jointly with tp if
         tp already splits it), None if no dim fits.
+      unit_dims: None if the param is in no FSDP unit; else the number of its leading
+        stacked-layer dims (1 for a scanned stack, 0 for one block's param), never sharded.
     """
 
     name: str
@@ -61,17 +79,28 @@ class TensorPlan:
     dtype: np.dtype
     tp_spec: P
     dp_axes: tuple[str, ...]
+    inner_axes: tuple[str, ...]
+    shard_axes: tuple[str, ...]
     shard_dim: int | None
+    unit_dims: int | None = None
 
-    @property
-    def zero_spec(self) -> P:
-        """`tp_spec` with `dp_axes` added on `shard_dim` (== tp_spec if replicated)."""
+    def _split(self, axes: tuple[str, ...]) -> P:
         spec = list(self.tp_spec) + [None] * (len(self.shape) - len(self.tp_spec))
         if self.shard_dim is not None:
             tp = spec[self.shard_dim]
             tp = () if tp is None else (tp,) if isinstance(tp, str) else tuple(tp)
-            spec[self.shard_dim] = (*tp, *self.dp_axes)
+            spec[self.shard_dim] = (*axes, *tp)
         return P(*spec)
+
+    @property
+    def zero_spec(self) -> P:
+        """`tp_spec` with `shard_axes` added on `shard_dim` (== tp_spec if replicated)."""
+        return self._split(self.shard_axes)
+
+    @property
+    def inner_spec(self) -> P:
+        """`tp_spec` with `inner_axes` added on `shard_dim`: a ZeRO-3 model param."""
+        return self._split(self.inner_axes)
 
     @property
     def local_grad_spec(self) -> P:
@@ -87,19 +116,21 @@ def _tp_size(mesh: Mesh, entry) -> int:
     return axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def choose_shard_dim(shape: tuple[int, ...], tp_spec: P, dp_size: int, mesh: Mesh) -> int | None:
+def choose_shard_dim(shape: tuple[int, ...], tp_spec: P, dp_size: int, mesh: Mesh, skip: int = 0) -> int | None:
     """The dim to split over the DP domain, or None if none fits.
 
     The largest dim free of tp and divisible by `dp_size`; failing that, the largest
-    tp-split dim divisible by tp_size * dp_size (then split over tp and DP jointly).
+    tp-split dim divisible by tp_size * dp_size (then split over DP and tp jointly).
+    The first `skip` dims (stacked layers) are never chosen, nor an empty one.
     """
     if dp_size == 1:
         return None
     spec = list(tp_spec) + [None] * (len(shape) - len(tp_spec))
-    free = [i for i, n in enumerate(shape) if spec[i] is None and n % dp_size == 0]
+    dims = [i for i in range(skip, len(shape)) if shape[i] > 0]
+    free = [i for i in dims if spec[i] is None and shape[i] % dp_size == 0]
     if free:
         return max(free, key=lambda i: (shape[i], -i))
-    joint = [i for i, n in enumerate(shape) if spec[i] is not None and n % (_tp_size(mesh, spec[i]) * dp_size) == 0]
+    joint = [i for i in dims if spec[i] is not None and shape[i] % (_tp_size(mesh, spec[i]) * dp_size) == 0]
     return max(joint, key=lambda i: (shape[i], -i)) if joint else None
 
 
@@ -111,11 +142,13 @@ class ShardingPlan:
       mesh: the (dp_outer, dp, ep, tp) mesh.
       strategy: the ZeRO stage.
       tensors: a pytree with the params' structure whose leaves are `TensorPlan`s.
+      outer_strategy: HSDP's, what is also sharded across dp_outer (module docstring).
     """
 
     mesh: Mesh
     strategy: ShardingStrategy
     tensors: PyTree
+    outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD
 
     def _tree(self, spec_of: Callable[[TensorPlan], P]) -> PyTree:
         return jax.tree.map(lambda t: NamedSharding(self.mesh, spec_of(t)), self.tensors)
@@ -133,9 +166,30 @@ class ShardingPlan:
     def shards_grads(self) -> bool:
         return self.strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
 
+    @property
+    def shards_params(self) -> bool:
+        """ZeRO-3: the model params themselves are split over the inner DP axes."""
+        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh.shape[OUTER_AXIS] > 1
+
+    def dense_shard_axes(self) -> tuple[str, ...]:
+        """The axes a dense param's state is split over (`TensorPlan.shard_axes`), for state
+        leaves that belong to no param."""
+        outer = (OUTER_AXIS,) if self.hsdp else ()
+        inner = tuple(a for a in DENSE_DP_AXES if a not in outer)
+        return inner + outer if self.outer_strategy == OuterStrategy.OPTIM else inner
+
+    def param_spec(self, t: TensorPlan) -> P:
+        """Spec of `t`'s model param: tp-sharded, and under ZeRO-3 split over its inner DP axes."""
+        return t.inner_spec if self.shards_params else t.tp_spec
+
     def param_shardings(self) -> PyTree:
-        """Model params: tp-sharded, replicated over the DP domain."""
-        return self._tree(lambda t: t.tp_spec)
+        """Model params: tp-sharded; replicated over the DP domain, or under ZeRO-3 split over
+        the inner DP axes."""
+        return self._tree(self.param_spec)
 
     def state_spec(self, t: TensorPlan) -> P:
         """Spec of `t`'s fp32 main param and optimizer moments."""
@@ -213,7 +267,7 @@ class ShardingPlan:
         return [
             (t.name, 4 * t.numel)
             for t in jax.tree.leaves(self.tensors)
-            if t.shard_dim is None and axes_size(self.mesh, t.dp_axes) > 1
+            if t.shard_dim is None and axes_size(self.mesh, t.shard_axes) > 1 and t.numel
         ]
 
 
@@ -247,6 +301,8 @@ def make_plan(
     abstract_params: PyTree,
     tp_specs: PyTree,
     is_expert: PyTree | None = None,
+    units: PyTree | None = None,
+    outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD,
 ) -> ShardingPlan:
     """Resolves the sharding of every param once.
 
@@ -256,11 +312,17 @@ def make_plan(
       abstract_params: params or ShapeDtypeStructs (global shapes).
       tp_specs: same structure, the tensor-parallel PartitionSpec of each param.
       is_expert: same structure, True for expert params (default: all dense).
+      units: same structure, per param None (in no FSDP unit) or its number of leading
+        stacked-layer dims (`TensorPlan.unit_dims`); default: no units.
+      outer_strategy: HSDP's, when the mesh's dp_outer is > 1.
     """
     if is_expert is None:
         is_expert = jax.tree.map(lambda _: False, abstract_params)
+    if units is None:
+        units = jax.tree.map(lambda _: None, abstract_params)  # a tree of None: no leaves, see below
+    outer = (OUTER_AXIS,) if mesh.shape[OUTER_AXIS] > 1 else ()
 
-    def plan_one(path, x, spec, expert):
+    def plan_one(path, x, spec, expert, unit_dims):
         if bool(expert) != (EP_AXIS in spec_axes(spec)):
             # An expert weight replicated over ep would be reduced over too few ranks, a dense
             # one split over ep over too many: refuse either mix-up here, not as wrong grads.
@@ -270,10 +332,14 @@ def make_plan(
                 + " (expert weights, and only they, have their expert dim split over 'ep')"
             )
         axes = dp_axes(expert)
-        shard_dim = choose_shard_dim(tuple(x.shape), spec, axes_size(mesh, axes), mesh)
-        return TensorPlan(path_name(path), tuple(x.shape), np.dtype(x.dtype), spec, axes, shard_dim)
+        inner = tuple(a for a in axes if a not in outer)
+        shard = inner + outer if outer_strategy == OuterStrategy.OPTIM else inner
+        skip = unit_dims or 0
+        shard_dim = choose_shard_dim(tuple(x.shape), spec, axes_size(mesh, shard), mesh, skip)
+        name, shape = path_name(path), tuple(x.shape)
+        return TensorPlan(name, shape, np.dtype(x.dtype), spec, axes, inner, shard, shard_dim, unit_dims)
 
-    tensors = jax.tree_util.tree_map_with_path(
-        plan_one, abstract_params, tp_specs, is_expert, is_leaf=lambda s: isinstance(s, P)
-    )
-    return ShardingPlan(mesh, strategy, tensors)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    others = [treedef.flatten_up_to(tree) for tree in (tp_specs, is_expert, units)]  # units may hold None
+    tensors = treedef.unflatten([plan_one(path, x, *rest) for (path, x), *rest in zip(leaves, *others)])
+    return ShardingPlan(mesh, strategy, tensors, outer_strategy)
