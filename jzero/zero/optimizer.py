@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.mesh import axes_size
 from jzero.zero import groups as groups_lib
 from jzero.zero.state import ZeroState, keeps_main_params
-from jzero.zero.strategies import ShardingPlan, choose_shard_dim
+from jzero.zero.strategies import ShardingPlan, TensorPlan, choose_shard_dim
 from jzero.zero.update import clip_by_global_norm, inner_update, model_copy
 
 PyTree = Any
@@ -94,6 +94,21 @@ def _constrain(tree: PyTree, shardings: PyTree) -> PyTree:
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def _gather(main: jax.Array, param: jax.Array, t: TensorPlan, plan: ShardingPlan) -> jax.Array:
+    """The model copy of `main` in `param`'s dtype and sharding (Megatron's `_copy_main_params_to_model_params`,
+    an all-gather where the state is sharded and the param is not). Under ZeRO-2/3 a stacked unit
+    param [L, ...] is gathered one layer at a time, so the gather needs one layer's buffer, not a
+    second whole stack (LLaMA-2-7B ZeRO-2 on 8 x H100: peak 35.2 -> 30.9 GiB). Under ZeRO-1, whose
+    peak is the full local grad buffer in backward, XLA lays the stacked grads out worse with it
+    (45.2 -> 55.0 GiB), so it gathers whole params there."""
+    sharding = NamedSharding(plan.mesh, plan.param_spec(t))
+    if not (t.unit_dims and plan.shards_grads) or main.shape[0] == 1 or plan.param_spec(t) == plan.state_spec(t):
+        return jax.lax.with_sharding_constraint(model_copy(main, param.dtype), sharding)
+    layer = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    per_layer = jax.lax.map(lambda m: jax.lax.with_sharding_constraint(model_copy(m, param.dtype), layer), main)
+    return jax.lax.with_sharding_constraint(per_layer, sharding)
+
+
 def zero_optimizer(
     inner: optax.GradientTransformation,
     plan: ShardingPlan,
@@ -110,7 +125,6 @@ def zero_optimizer(
     """
     shardings = opt_state_shardings(inner, plan)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
-    param_sh = plan.param_shardings()
     keep_main = shardings.main_params is not None
     values = None if groups is None else groups_lib.per_param_values(groups)
 
@@ -128,7 +142,7 @@ def zero_optimizer(
         main = _constrain(optax.apply_updates(main, updates), state_sh)
         inner_state = _constrain(inner_state, inner_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
-        new_params = _constrain(model_copy(main, jax.tree.map(lambda p: p.dtype, params)), param_sh)
+        new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         return new_params, ZeroState(main if keep_main else None, inner_state), norm
 
     return ZeroOptimizer(init, step)
