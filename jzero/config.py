@@ -549,5 +549,3 @@ def validate(cfg: Config) -> None:
             "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
             "per-unit buckets yet"
         )
-    if mesh.dp_outer != 1 and cfg.zero.path == ZeroPath.FLAT:
-        raise ConfigError(f"mesh.dp_outer={mesh.dp_outer}: HSDP runs on zero.path=spec only, for now")

@@ -27,9 +27,9 @@ from jzero.zero.update import clip_by_global_norm
 ZERO3 = "optim_grads_params"
 
 
-def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", **sections):
+def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **sections):
     """`tiny_config` on dp_outer=2 replicas of (dp, ep, tp) = `mesh`."""
-    cfg = tiny_config(strategy, mesh, microbatches, zero={"outer_strategy": outer}, **sections)
+    cfg = tiny_config(strategy, mesh, microbatches, zero={"outer_strategy": outer, **(zero or {})}, **sections)
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=2))
 
 
@@ -52,18 +52,22 @@ def test_zero3_matches_single_device_optax(mesh, model, microbatches):
 
 
 @pytest.mark.parametrize(
-    "strategy, mesh, microbatches, outer",
+    "strategy, mesh, microbatches, outer, path",
     [
-        (ZERO3, (4, 1, 1), 1, "no_shard"),
-        (ZERO3, (4, 1, 1), 2, "optim"),
-        (ZERO3, (2, 1, 2), 2, "no_shard"),
-        (ZERO3, (2, 1, 2), 1, "optim"),
-        ("optim_grads", (4, 1, 1), 2, "optim"),
-        ("optim", (2, 1, 2), 1, "no_shard"),
+        (ZERO3, (4, 1, 1), 1, "no_shard", "spec"),
+        (ZERO3, (4, 1, 1), 2, "optim", "spec"),
+        (ZERO3, (2, 1, 2), 2, "no_shard", "spec"),
+        (ZERO3, (2, 1, 2), 1, "optim", "spec"),
+        ("optim_grads", (4, 1, 1), 2, "optim", "spec"),
+        ("optim", (2, 1, 2), 1, "no_shard", "spec"),
+        ("optim_grads", (4, 1, 1), 2, "no_shard", "flat"),  # psum_scatter inner, psum across dp_outer
+        ("optim", (2, 1, 2), 1, "optim", "flat"),  # psum_scatter inner, then across dp_outer
+        ("optim_grads", (2, 2, 1), 1, "optim", "flat"),  # MoE: the expert buffer's inner domain is dp
     ],
 )
-def test_hsdp_matches_single_device_optax(strategy, mesh, microbatches, outer):
-    assert_matches_reference(hsdp_config(strategy, mesh, microbatches, outer))
+def test_hsdp_matches_single_device_optax(strategy, mesh, microbatches, outer, path):
+    model = {"moe": MOE} if mesh[1] > 1 else {}
+    assert_matches_reference(hsdp_config(strategy, mesh, microbatches, outer, zero={"path": path}, model=model))
 
 
 # ---------------------------------------------------------------- a user's own model
@@ -199,21 +203,18 @@ def test_checkpoints_move_between_zero3_hsdp_and_the_other_stages(tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
-def test_the_flat_path_refuses_zero3_and_hsdp():
+def test_the_flat_path_refuses_zero3():
     cfg = tiny_config(ZERO3, (8, 1, 1))
     with pytest.raises(ConfigError, match="zero.path=spec only"):
         setup(dataclasses.replace(cfg, zero=ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT)))
-    hsdp = hsdp_config("optim_grads", (4, 1, 1))
-    with pytest.raises(ConfigError, match="HSDP"):
-        setup(dataclasses.replace(hsdp, zero=dataclasses.replace(hsdp.zero, path=ZeroPath.FLAT)))
 
 
 @pytest.mark.parametrize(
     "sets, message",
     [
         (["zero.strategy=optim_grads_params", "zero.path=flat"], "zero.path=spec only"),
-        (["mesh.dp_outer=2", "zero.path=flat"], "HSDP"),
         (["zero.outer_strategy=everything"], "zero.outer_strategy"),
+        (["mesh.dp_outer=3"], "mesh"),
     ],
 )
 def test_cli_refuses_with_one_line(sets, message, capsys, tmp_path):

@@ -9,6 +9,7 @@ innermost) is expert-DP rank r // ep (over dp_outer x dp) and holds the experts 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from jzero.zero.flat_plan import FlatBuffer, FlatPlan
 
@@ -64,6 +65,8 @@ def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
         "tp_size": mesh.shape["tp"],
         "numel": lay.numel,
         "params": len(params),
+        "shard_axes": list(buf.shard_axes),  # ranks are numbered over these, the first major
+        "shard_axis_sizes": [mesh.shape[a] for a in buf.shard_axes],
     }
     if buf.kind != "dense":
         buffer |= {"dp_axes": list(buf.dp_axes), "ep_size": mesh.shape["ep"]}
@@ -74,20 +77,27 @@ def format_layout(d: dict, rank: int) -> str:
     """The buffers of `describe` as text, with what dense-DP rank `rank` owns in each."""
     lines = _format_buffer(d, rank)
     if "expert" in d:
-        # Dense rank r is expert rank r // ep (ep is the innermost dense DP axis); 0 under no_shard.
-        per_expert_rank = d["buffer"]["dp_size"] // d["expert"]["buffer"]["dp_size"]
-        lines += _format_buffer(d["expert"], rank // per_expert_rank, f" (dense rank {rank}; its ep rank's experts)")
+        lines += _format_buffer(d["expert"], _expert_rank(d, rank), f" (dense rank {rank}; its ep rank's experts)")
     return "\n".join(lines)
+
+
+def _expert_rank(d: dict, rank: int) -> int:
+    """The expert-buffer rank of the device that is rank `rank` of the dense buffer: its coordinates
+    on the dense shard axes, read on the expert shard axes (r // ep without HSDP; 0 under no_shard)."""
+    dense, expert = d["buffer"], d["expert"]["buffer"]
+    if expert["dp_size"] == 1:
+        return 0
+    coords = dict(zip(dense["shard_axes"], np.unravel_index(rank, dense["shard_axis_sizes"])))
+    return int(np.ravel_multi_index([coords[a] for a in expert["shard_axes"]], expert["shard_axis_sizes"]))
 
 
 def _format_buffer(d: dict, rank: int, who: str = "") -> list[str]:
     buf = d["buffer"]
+    over = f"dp={buf['dp_size']}" + (f" ({' x '.join(buf['shard_axes'])})" if buf["dp_size"] > 1 else "")
     if buf["kind"] == "dense":
         where = f"tp-local of tp={buf['tp_size']}"
-        over = f"dp={buf['dp_size']}"
     else:
         where = f"ep- and tp-local of ep={buf['ep_size']}, tp={buf['tp_size']}"
-        over = f"dp={buf['dp_size']} ({' x '.join(buf['dp_axes'])})"
     lines = [
         f"buffer: {buf['kind']} {buf['dtype']}, {buf['params']} params, {buf['numel']} elements (padded, {where}), "
         f"sharded over {over}, {len(d['buckets'])} bucket(s)",

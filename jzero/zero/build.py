@@ -158,8 +158,6 @@ def build_zero(
                 "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
                 "per-unit buckets yet"
             )
-        if plan.hsdp:
-            raise ConfigError(f"mesh dp_outer={mesh.shape['dp_outer']}: HSDP runs on zero.path=spec only, for now")
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,

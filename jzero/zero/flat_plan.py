@@ -14,6 +14,7 @@ of its buckets b. The plan numbers the buckets of all buffers in one sequence, d
 
 Global arrays (S_b = padded size of bucket b):
   dense bucket:     [tp, S_b]       P("tp", DENSE_DP_AXES)          (P("tp", None) unsharded)
+                    (under HSDP the columns are split over the buffer's `shard_axes`)
   expert bucket:    [ep * tp, S_b]  P(("ep", "tp"), EXPERT_DP_AXES)  (P(("ep", "tp"), None));
                     row ep_rank * tp + tp_rank
   inside shard_map: [1, S_b/d] the owned shard, or [1, S_b] whole (the step drops the 1)
@@ -46,18 +47,24 @@ class FlatBuffer:
 
     Attributes:
       kind: "dense" or "expert".
-      dp_axes: its DP domain: buckets are reduced, sharded and gathered over these axes.
+      dp_axes: its DP domain: buckets are reduced over these axes.
+      inner_axes: the DP axes a bucket is reduce-scattered over first: `dp_axes`, or under HSDP
+        those less dp_outer (`strategies.TensorPlan.inner_axes`).
+      shard_axes: the axes its buckets' state is split over, in layout order: `inner_axes`, then
+        dp_outer under HSDP `outer_strategy: optim` (`strategies.TensorPlan.shard_axes`).
       model_axes: the mesh axes its params are split over, ("tp",) or ("ep", "tp"); a bucket
         array has one row per rank of them.
       layout: Megatron's layout over its params' local element counts (`layout.dp_size` is
         `d`, or 1 under no_shard: no padding); its param j is leaf `params[j]`.
       params: leaves-order indices of its params.
-      d: size of `dp_axes`.
-      sharded: whether its optimizer state is sharded over `dp_axes` (not under no_shard).
+      d: size of `shard_axes`: each rank owns 1/d of every bucket.
+      sharded: whether its optimizer state is sharded over `shard_axes` (not under no_shard).
     """
 
     kind: str
     dp_axes: tuple[str, ...]
+    inner_axes: tuple[str, ...]
+    shard_axes: tuple[str, ...]
     model_axes: tuple[str, ...]
     layout: Layout
     params: tuple[int, ...]
@@ -72,19 +79,24 @@ class FlatBuffer:
         """Spec of its bucket arrays: rows over `model_axes`, columns split over DP if `sharded`."""
         sharded = self.sharded if sharded is None else sharded
         rows = self.model_axes[0] if len(self.model_axes) == 1 else self.model_axes
-        return P(rows, self.dp_axes if sharded else None)
+        return P(rows, self.shard_axes if sharded else None)
 
     def shard_size(self, b: int) -> int:
         """Elements of its bucket b one rank steps: its owned shard, or all of it under no_shard."""
         start, end = self.layout.bucket_indices[b]
         return (end - start) // self.d if self.sharded else end - start
 
+    @property
+    def outer_axes(self) -> tuple[str, ...]:
+        """The DP axes reduced after the inner ones: dp_outer under HSDP, else none."""
+        return tuple(a for a in self.dp_axes if a not in self.inner_axes)
+
     def norm_axes(self, tp_split: bool) -> tuple[str, ...]:
         """The axes over which one device's elements of this buffer are distinct (the psum of the
         squares in the global norm): its DP domain when sharded (else every rank holds the same),
         ep for experts, tp for tp-split params. A tp-replicated element is identical on every tp
         rank, so not summing over tp counts it once (Megatron's tp-duplicate rule)."""
-        axes = set(self.dp_axes if self.sharded else ()) | {a for a in self.model_axes if a != TP_AXIS}
+        axes = set(self.shard_axes if self.sharded else ()) | {a for a in self.model_axes if a != TP_AXIS}
         return tuple(a for a in AXES if a in axes or (tp_split and a == TP_AXIS))
 
 
@@ -204,14 +216,17 @@ def make_flat_plan(plan: ShardingPlan, bucket_size: int | None, pad_for_high_ncc
                     f"a {kind} param may only be split over {model_axes}"
                     + (" and must be split over ep" if kind == EXPERT else "")
                 )
-        d = axes_size(mesh, dp_axes)
+        inner_axes, shard_axes = tensors[members[0]].inner_axes, tensors[members[0]].shard_axes
+        d = axes_size(mesh, shard_axes)
         layout = build_layout(
             numels=[int(np.prod(local_shapes[i], dtype=np.int64)) for i in members],
             dp_size=d if plan.shards_state else 1,
             bucket_size=bucket_size,
             pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
         )
-        buffers.append(FlatBuffer(kind, dp_axes, model_axes, layout, members, d, plan.shards_state))
+        buffers.append(
+            FlatBuffer(kind, dp_axes, inner_axes, shard_axes, model_axes, layout, members, d, plan.shards_state)
+        )
     if sum(len(buf.params) for buf in buffers) != len(tensors):
         odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
@@ -269,7 +284,7 @@ def unflatten(fp: FlatPlan, buckets: Sequence[jax.Array], dtypes: Sequence) -> l
 
 def owned(buf: FlatBuffer, bucket: jax.Array, rank: jax.Array | int) -> jax.Array:
     """Rank `rank`'s shard of a full [S_b] bucket of `buf`: [r*S_b/d, (r+1)*S_b/d) (all of it
-    under no_shard); `rank` is the rank in `buf.dp_axes`."""
+    under no_shard); `rank` is the rank in `buf.shard_axes`."""
     if not buf.sharded:
         return bucket
     size = bucket.shape[0] // buf.d
@@ -283,7 +298,7 @@ def values_on_shard(buf: FlatBuffer, b: int, per_param: Sequence[float], rank: j
     weights), built in the step from a few comparisons instead of stored: the values are
     constant over runs of consecutive params, and a gap or padding element takes its
     neighbour's value (its grad and param are zero, so no update reads it). `rank` is the
-    rank in `buf.dp_axes`. Returns f32 [buf.shard_size(b)].
+    rank in `buf.shard_axes`. Returns f32 [buf.shard_size(b)].
     """
     start, _ = buf.layout.bucket_indices[b]
     runs: list[tuple[int, float]] = []  # (first position in the bucket, value), in buffer order

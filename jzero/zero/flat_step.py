@@ -5,6 +5,10 @@ for a dense bucket, dp_outer x dp for an expert bucket):
 
   ZeRO-2 (optim_grads): psum_scatter every microbatch; rank r of the domain keeps its
       shard `[r*S/d, (r+1)*S/d)`, so only the shard is ever accumulated.
+  HSDP (dp_outer > 1): the psum_scatter runs over the inner DP axes, then a psum across
+      dp_outer (outer_strategy no_shard: d = the inner size) or a second psum_scatter there
+      (optim: rank r = inner rank x dp_outer + outer rank); the updated shards are
+      all-gathered back in the reverse order.
   ZeRO-1 (optim): the full local bucket accumulates over microbatches (Megatron's
       grad buffer), then one psum_scatter after the last: DDP's wire bytes.
   DDP (no_shard): the full local bucket accumulates, then one psum.
@@ -125,13 +129,28 @@ def build_flat_step(
     group_list = None if groups is None else group_leaves(groups)
     loss_metrics = with_metrics(loss_fn, has_aux)
 
+    def reduce_one(buf, g):
+        """A bucket's DP reduction: psum_scatter over the inner DP axes, then (HSDP) across dp_outer a
+        psum_scatter if the state is split there too, else a psum; a psum over all of DP under DDP."""
+        if not buf.sharded:
+            return jax.lax.psum(g, buf.dp_axes)
+        g = jax.lax.psum_scatter(g, buf.inner_axes, scatter_dimension=0, tiled=True)
+        if not buf.outer_axes:
+            return g
+        if set(buf.outer_axes) <= set(buf.shard_axes):
+            return jax.lax.psum_scatter(g, buf.outer_axes, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(g, buf.outer_axes)
+
     def reduce(buckets):
-        return [
-            jax.lax.psum_scatter(g, buf.dp_axes, scatter_dimension=0, tiled=True)
-            if buf.sharded
-            else jax.lax.psum(g, buf.dp_axes)
-            for (buf, _), g in zip(fp.buckets, buckets)
-        ]
+        return [reduce_one(buf, g) for (buf, _), g in zip(fp.buckets, buckets)]
+
+    def gather(buf, m):
+        """Inverse of the sharded reduction's layout: across dp_outer (if split there), then inner."""
+        if not buf.sharded:
+            return m
+        if set(buf.outer_axes) & set(buf.shard_axes):
+            m = jax.lax.all_gather(m, buf.outer_axes, tiled=True)
+        return jax.lax.all_gather(m, buf.inner_axes, tiled=True)
 
     def local_grad_buckets(params, mb):
         # Params are invariant over their DP domain; differentiating them directly would make AD
@@ -172,7 +191,7 @@ def build_flat_step(
 
     def bucket_ranks():
         """Per plan bucket, this device's rank in that bucket's DP domain."""
-        ranks = {buf.kind: jax.lax.axis_index(buf.dp_axes) for buf in fp.buffers}
+        ranks = {buf.kind: jax.lax.axis_index(buf.shard_axes) for buf in fp.buffers}
         return [ranks[buf.kind] for buf, _ in fp.buckets]
 
     def on_shards(per_param, ranks):
@@ -209,10 +228,7 @@ def build_flat_step(
         main = optax.apply_updates(main, updates)
         # All-gather each updated bucket in the param dtype over its DP domain, back into the params.
         local = model_copy(main, [dtypes[0]] * fp.n_buckets)
-        gathered = [
-            jax.lax.all_gather(m, buf.dp_axes, tiled=True) if buf.sharded else m
-            for (buf, _), m in zip(fp.buckets, local)
-        ]
+        gathered = [gather(buf, m) for (buf, _), m in zip(fp.buckets, local)]
         new_params = jax.tree.unflatten(treedef, unflatten(fp, gathered, dtypes))
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner_state)
         new_main = [m[None] for m in main] if keep_main else None
