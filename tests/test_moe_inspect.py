@@ -136,16 +136,20 @@ def test_deviceless_h100_reduce_scatters_each_domain(tmp_path):
     s = doc["strategies"]["optim_grads"]
     th = s["theory"]["domains"]
     rows = {(r["kind"], tuple(r["axes"])): r for r in s["collectives"]}
-    assert rows[("reduce-scatter", ("dp",))]["payload_bytes"] == th["expert"]["grad_bytes"]
+    # The expert fc1 bias [E_ep, F_tp] is split over dp and tp on the same dim; XLA gathers it over tp
+    # before its per-unit reduce-scatter (docs/xla.md, "Collectives inside a partially manual
+    # shard_map"): 2 local experts x F=64 x 2 bytes x (tp - 1) = 256 bytes more than theory.
+    extra = rows[("reduce-scatter", ("dp",))]["payload_bytes"] - th["expert"]["grad_bytes"]
+    assert extra == 2 * 64 * 2 * (2 - 1)
     assert rows[("reduce-scatter", ("dp", "ep"))]["payload_bytes"] == th["dense"]["grad_bytes"]
     assert rows[("all-gather", ("dp",))]["payload_bytes"] == th["expert"]["param_bytes"]
     assert rows[("all-gather", ("dp", "ep"))]["payload_bytes"] == th["dense"]["param_bytes"]
     assert rows[("all-gather", ("dp",))]["dtypes"] == ["bf16"]
     assert rows[("all-to-all", ("ep",))]["dtypes"] == ["bf16"]  # the tokens, in param_dtype
     # The loss and MoE metrics (a few scalars) are reduced over dp x ep beside the grads.
-    assert 0 <= s["dp_wire_bytes"] - s["theory"]["wire_bytes"] <= 128
+    assert 0 <= s["dp_wire_bytes"] - s["theory"]["wire_bytes"] <= 128 + extra
     for name in ("dense", "expert"):
-        assert 0 <= s["dp_wire_bytes_by_domain"][name] - th[name]["wire_bytes"] <= 128
+        assert 0 <= s["dp_wire_bytes_by_domain"][name] - th[name]["wire_bytes"] <= 128 + extra
     assert s["tokens"]["measured"]["per_step_wire_bytes"] == s["tokens"]["per_step_wire_bytes"]
 
 

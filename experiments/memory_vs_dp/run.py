@@ -5,8 +5,8 @@ what the compiled programs say.
     python experiments/memory_vs_dp/run.py [--replot]
 
 Everything is compiled deviceless for H100s (docs/xla.md, "Deviceless GPU compilation"); nothing runs. Writes
-`result.json`, `tables.md` (the tables of the README) and `memory_vs_dp.png`. About 7
-minutes on 2 CPU cores; needs `pip install -e .[experiments,gpu-aot]`. `--replot` redraws the
+`result.json`, `tables.md` (the tables of the README) and `memory_vs_dp.png`. About 27
+minutes on 2 busy CPU cores (74 compiles); needs `pip install -e .[experiments,gpu-aot]`. `--replot` redraws the
 tables and the plot from `result.json` without compiling.
 """
 
@@ -28,8 +28,8 @@ from jzero.inspect.targets import TARGETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parents[1] / "configs"
-STRATEGIES = ("no_shard", "optim", "optim_grads")
-LABEL = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+LABEL = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 DPS = (1, 2, 4, 8, 16, 32, 64)
 MICROBATCHES = (1, 8)  # one micro-batch per step, or 8 accumulated (where ZeRO-2's sharded accumulator shows)
 H100 = TARGETS["h100"].memory_bytes
@@ -51,10 +51,10 @@ SEED_SAVINGS = [
 SEED_SCALING = [(16, 64, 64, "OOM"), (32, 128, 32, "160 GB"), (64, 256, 16, "155 GB"), (128, 512, 8, "152 GB")]
 
 
-def compile_memory(name: str, overrides: list[str], strategy: str) -> dict:
-    """`jzero memory configs/<name>.yaml --target h100 --set ...` for one strategy, as a dict."""
+def compile_memory(name: str, overrides: list[str], strategy: str, topology: str | None = None) -> dict:
+    """`jzero memory configs/<name>.yaml --target h100 [--topology ...] --set ...` for one strategy, as a dict."""
     cfg = with_zero(load_config(CONFIGS / f"{name}.yaml", overrides), strategy)
-    c = compile_step(cfg, "h100", dump=False)
+    c = compile_step(cfg, "h100", topology, dump=False)
     doc = memory.analyze(c, H100)
     doc["topology"] = c.topology
     return doc
@@ -103,6 +103,17 @@ def seed_scaling() -> list[dict]:
     return rows
 
 
+def llama3_405b() -> dict:
+    """configs/llama3_405b.yaml (405.85B params, tp=8) on 1024 H100s (128 hosts of 8, dp=128): ZeRO-2 vs ZeRO-3."""
+    out = {}
+    for s in ("optim_grads", "optim_grads_params"):
+        t0 = time.perf_counter()
+        doc = out[s] = compile_memory("llama3_405b", [], s, topology="1 x 128 x 8")
+        peak = doc["compiled"]["peak"] / 2**30
+        print(f"405b {s}: peak {peak:.1f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -129,6 +140,18 @@ def tables(result: dict) -> str:
                 d = vs[f"{m}/{dp}/{s}"]
                 cells.append(gib(d["compiled"]["peak"]) if d["fits"] else f"**{gib(d['compiled']['peak'])}**")
         lines.append(f"| {dp} | " + " | ".join(cells) + " |")
+    if "llama3_405b" in result:
+        lines += ["", "### LLaMA-3.1-405B-shaped on 1024 H100s (tp=8, dp=128), per device (GiB)\n",
+                  "| stage | params | main params + Adam | grads | state = formula | temp | peak | fits 80 GB H100? |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for s, d in result["llama3_405b"].items():
+            st, cb = d["state"], d["compiled"]
+            same = "=" if abs(st["total"] - d["formula"]["total"]) < 64 else "!="
+            lines.append(
+                f"| {LABEL[s]} | {gib(st['params'])} | {gib(st['main_params'] + st['optimizer_moments'])} "
+                f"| {gib(st['grads'])} | {gib(st['total'])} {same} {gib(d['formula']['total'])} | {gib(cb['temp'])} "
+                f"| {gib(cb['peak'])} | {'yes' if d['fits'] else 'no'} |"
+            )
     lines += ["", "### The seed's \"Memory Savings by Model Size\", beside the compiled programs (GB = 1e9 bytes)\n",
               "jzero compiled with the seed's bytes: 2-byte params and grads (bf16), fp32 main params + Adam, tp=1.\n",
               "| model | dp | stage | seed params / grads / opt / total | jzero state params / grads / opt / total "
@@ -167,9 +190,10 @@ def plot(result: dict, out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, m in zip(axes, MICROBATCHES):
-        for s, color, shift in zip(STRATEGIES, ("#4c72b0", "#dd8452", "#55a868"), (1.0, 0.985, 1.015)):
+        colors, shifts = ("#4c72b0", "#dd8452", "#55a868", "#c44e52"), (1.0, 0.985, 1.015, 1.03)
+        for s, color, shift in zip(STRATEGIES, colors, shifts):
             docs = [result["llama7b_vs_dp"][f"{m}/{dp}/{s}"] for dp in DPS]
-            x = [dp * shift for dp in DPS]  # ZeRO-1 and ZeRO-2 often coincide: nudge them apart
+            x = [dp * shift for dp in DPS]  # the stages' lines often coincide: nudge them apart
             ax.plot(
                 x, [d["compiled"]["peak"] / 2**30 for d in docs], "-o", color=color, label=f"{LABEL[s]}: compiled peak"
             )
@@ -188,7 +212,7 @@ def plot(result: dict, out: Path) -> None:
         ax.set_xlabel("data-parallel size d (H100s)")
         ax.set_title(f"{m} micro-batch{'es' if m > 1 else ''} of 1 x 4096 tokens per step", fontsize=10)
     axes[0].set_ylabel("GiB per device")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle("LLaMA-2-7B per-device memory vs dp, deviceless H100 (bf16 params, fp32 grads, fp32 Adam)")
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(out, dpi=120)
@@ -199,7 +223,8 @@ def main() -> int:
         result = json.loads((HERE / "result.json").read_text())
     else:
         t0 = time.perf_counter()
-        result = {"llama7b_vs_dp": vs_dp(), "seed_savings": seed_savings(), "seed_scaling": seed_scaling()}
+        result = {"llama7b_vs_dp": vs_dp(), "llama3_405b": llama3_405b(), "seed_savings": seed_savings(),
+                  "seed_scaling": seed_scaling()}  # fmt: skip
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         (HERE / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     (HERE / "tables.md").write_text(tables(result))

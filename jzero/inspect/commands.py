@@ -16,7 +16,9 @@ from jzero.config import Config, ConfigError, ShardingStrategy, load_config
 
 # The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
 TARGET_CHOICES = ("cpu", "h100", "a100", "h200")
-DEFAULT_STRATEGIES = "no_shard,optim,optim_grads"
+# Every zero.strategy on the spec path; the flat path has no ZeRO-3 (a config error there): its default leaves it out.
+DEFAULT_STRATEGIES = "no_shard,optim,optim_grads,optim_grads_params"
+FLAT_DEFAULT_STRATEGIES = "no_shard,optim,optim_grads"
 
 
 def add_parsers(subparsers, with_config) -> None:
@@ -35,8 +37,8 @@ def add_parsers(subparsers, with_config) -> None:
 def _common(sp) -> None:
     sp.add_argument(
         "--strategies",
-        default=DEFAULT_STRATEGIES,
-        help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES})",
+        help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES}; {FLAT_DEFAULT_STRATEGIES} "
+        "on the flat path)",
     )
     sp.add_argument("--path", choices=("spec", "flat"), help="zero.path (default: the config's)")
     sp.add_argument(
@@ -67,7 +69,9 @@ def _compile_all(cfg: Config, args, dump: bool) -> dict:
     from jzero.inspect.compile import compile_step, with_zero
 
     out = {}
-    for s in _strategies(args.strategies):
+    flat = (args.path or cfg.zero.path.value) == "flat"
+    default = FLAT_DEFAULT_STRATEGIES if flat else DEFAULT_STRATEGIES
+    for s in _strategies(default if args.strategies is None else args.strategies):
         out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology, dump=dump)
         print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)
     return out

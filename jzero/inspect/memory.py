@@ -3,18 +3,20 @@
 Two views of one compiled step (`compile.compile_step`), both per device:
 
 - the state as laid out, from shapes and shardings (exact, nothing allocated):
-    params             the model copy, `plan.param_shardings()`, in param_dtype
+    params             the model copy, `plan.param_shardings()`, in param_dtype (split over
+                       the inner DP axes under ZeRO-3)
     main_params        the fp32 master copy (only when params are not fp32)
     optimizer_moments  the inner optax state (Adam's mu and nu; its step counter)
     grads              the grad buffer the microbatches accumulate into (Megatron's),
                        in grad_reduce_dtype: full local grads under DDP and ZeRO-1, the
-                       owned shard under ZeRO-2 (`Zero.grad_buffer_structs`). It lives
-                       inside the step, so XLA may never materialise it whole: compare
+                       owned shard under ZeRO-2 and ZeRO-3 (`Zero.grad_buffer_structs`). It
+                       lives inside the step, so XLA may never materialise it whole: compare
                        `temp` below.
-  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`),
-  summed over the data-parallel domains: dense params sharded over d = dp_outer x dp x ep,
-  a MoE's expert params (this rank's E/ep experts) over edp = dp_outer x dp
-  (`report.formula_domains`, the `formula_domains` of the JSON);
+  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`;
+  for ZeRO-3 the ZeRO paper's stage 3, everything / d), summed over the data-parallel domains:
+  dense params sharded over d = dp_outer x dp x ep, a MoE's expert params (this rank's E/ep
+  experts) over edp = dp_outer x dp (`report.formula_domains`, the `formula_domains` of the
+  JSON); under HSDP what is sharded over the inner axes only is / d_i (`d_state`, `d_params`);
 - the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
   (the new state, aliased to the donated arguments), temp (activations, local grads,
   collective buffers) and the peak. XLA:GPU reports the peak of its schedule; XLA:CPU's
@@ -92,6 +94,13 @@ def report(compiled: dict[str, CompiledStep]) -> dict:
     }
 
 
+def _hsdp(doc: dict) -> str:
+    d_o = doc["mesh"].get("dp_outer", 1)
+    if d_o == 1:
+        return ""
+    return f" (HSDP: d_i={doc['d'] // d_o} x d_o={d_o}, outer_strategy {doc['config']['zero']['outer_strategy']})"
+
+
 def format_report(doc: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in doc["mesh"].items())
     where = doc["target"] if doc["topology"] is None else f"{doc['target']} ({doc['topology']})"
@@ -101,7 +110,8 @@ def format_report(doc: dict) -> str:
         f"per-device memory of the compiled train step, {count(doc['params'])} params "
         f"({prec['param_dtype']} params, {prec['grad_reduce_dtype']} grads), path={doc['path']}",
         f"target {where}, {doc['device_kind']}{memory}, mesh {mesh}, d={doc['d']}"
-        + ("" if doc.get("edp") is None else f", edp={doc['edp']} ({count(doc['expert_params'])} params in experts)"),
+        + ("" if doc.get("edp") is None else f", edp={doc['edp']} ({count(doc['expert_params'])} params in experts)")
+        + _hsdp(doc),
         "",
     ]
     for name, s in doc["strategies"].items():
@@ -109,10 +119,14 @@ def format_report(doc: dict) -> str:
                   f"  {'state (shardings x shapes)':<28}{'jzero':>14}{'Megatron formula':>20}"]  # fmt: skip
         for part in (*PARTS, "total"):
             lines.append(f"  {part:<28}{human(s['state'][part]):>14}{human(s['formula'][part]):>20}")
-        if len(s["formula_domains"]) > 1:
-            for name, dom in s["formula_domains"].items():  # P_local params per rank, sharded over d or edp
-                label = f"  {name} ({count(dom['numel'])}, {'d' if name == 'dense' else 'edp'}={dom['d']})"
-                lines.append(f"  {label:<28}{'':>14}{human(dom['total']):>20}")
+        hsdp = doc["mesh"].get("dp_outer", 1) > 1
+        if len(s["formula_domains"]) > 1 or hsdp:
+            for dname, dom in s["formula_domains"].items():  # P_local params per rank, sharded over d or edp
+                label = f"  {dname} ({count(dom['numel'])}, {'d' if dname == 'dense' else 'edp'}={dom['d']}"
+                if hsdp:  # what the state and the params are split over (inner axes, or all of them)
+                    label += f", /{dom['d_state']} state, /{dom['d_params']} params"
+                label += ")"
+                lines.append(f"  {label}{human(dom['total']):>{max(62 - len(label), 12)}}")
         cb = s["compiled"]
         lines.append(
             f"  compiled: arguments {human(cb['argument'])}, outputs {human(cb['output'])} "
@@ -121,11 +135,11 @@ def format_report(doc: dict) -> str:
         if s["fits"] is not None:
             lines.append(f"  fits {doc['target']}: {'yes' if s['fits'] else 'NO'}")
         lines.append("")
-    cols = f"  {'strategy':<14}{'state':>14}{'formula':>14}{'temp':>14}{'peak':>14}"
+    cols = f"  {'strategy':<20}{'state':>14}{'formula':>14}{'temp':>14}{'peak':>14}"
     lines.append(cols + ("" if doc["memory_bytes"] is None else "  fits"))
     for name, s in doc["strategies"].items():
         row = (
-            f"  {name:<14}{human(s['state']['total']):>14}{human(s['formula']['total']):>14}"
+            f"  {name:<20}{human(s['state']['total']):>14}{human(s['formula']['total']):>14}"
             f"{human(s['compiled']['temp']):>14}{human(s['compiled']['peak']):>14}"
         )
         lines.append(row + ("" if s["fits"] is None else f"  {'yes' if s['fits'] else 'NO'}"))

@@ -133,11 +133,14 @@ class Schedule:
     unknown_trip_counts: int
 
 
-def read_schedule(hlo_text: str) -> Schedule:
-    """The collectives of a compiled module with their windows (module docstring)."""
+def read_schedule(hlo_text: str, collectives: list[hlo.Collective] | None = None) -> Schedule:
+    """The collectives of a compiled module with their windows (module docstring); `collectives`:
+    `hlo.parse_collectives(hlo_text)` where the caller has it already."""
     m = Module(hlo_text)
     flops = Flops(m)
-    by_name = {c.name: c for c in hlo.parse_collectives(hlo_text)}
+    if collectives is None:
+        collectives = hlo.parse_collectives(hlo_text)
+    by_name = {c.name: c for c in collectives}
     by_computation = {c.computation: c for c in by_name.values()}
     runs = _runs(m, flops)
     out = []
@@ -199,9 +202,10 @@ def _runs(m: Module, flops: Flops) -> dict[str, int]:
 # --------------------------------------------------------------------------- a compiled step
 
 
-def schedule_report(c) -> dict:
-    """The `schedule` entry of `jzero hlo --json` for one compiled step (docs/inspect.md)."""
-    sch = read_schedule(c.compiled.as_text())
+def schedule_report(c, sch: Schedule | None = None) -> dict:
+    """The `schedule` entry of `jzero hlo --json` for one compiled step (docs/inspect.md); `sch`: its
+    `read_schedule`, where the caller has read it already."""
+    sch = read_schedule(c.compiled.as_text()) if sch is None else sch
     rows = []
     for o in sch.overlaps:
         col = o.collective
@@ -234,11 +238,12 @@ def schedule_report(c) -> dict:
 
 
 def format_lines(s: dict) -> list[str]:
-    """The `jzero hlo` text's lines on one strategy's DP collectives: their overlap, the exposed bytes."""
+    """The `jzero hlo` text's lines on one strategy's DP collectives: their overlap, the exposed bytes
+    (per step, counting loop runs, and per instruction)."""
     h, sch = hlo._human, s["schedule"]
     lines = [
         f"  {'DP collective':<17}{'axes':<12}{'where':<10}{'count':>6}{'async':>7}{'exposed':>9}"
-        f"{'overlapped flops':>19}{'wire/device':>14}"
+        f"{'overlapped flops':>19}{'wire/device':>14}{'wire/step':>14}"
     ]
     groups: dict[tuple, list[dict]] = {}
     for r in sch["collectives"]:
@@ -251,13 +256,14 @@ def format_lines(s: dict) -> list[str]:
         lines.append(
             f"  {kind:<17}{axes:<12}{where:<10}{len(rs):>6}{sum(r['async'] for r in rs):>7}"
             f"{sum(r['exposed'] for r in rs):>9}{f'{flops:.3g} ({share:.1%})':>19}"
-            f"{h(sum(r['wire_bytes'] for r in rs)):>14}"
+            f"{h(sum(r['wire_bytes'] for r in rs)):>14}{h(sum(r['wire_bytes'] * r['runs'] for r in rs)):>14}"
         )
     exposed, per_step = sch["exposed_dp_wire_bytes"], sch["exposed_dp_wire_bytes_per_step"]
-    loops = f" ({h(per_step)} per step with loop runs)" if per_step != exposed else ""
+    dp = s.get("dp_wire_bytes", 0.0)
+    dp_step = s.get("per_step", {}).get("dp_wire_bytes", dp)
     order = "" if sch["scheduled"] else " NOT a scheduled module: its order may not be the execution order"
     lines.append(
-        f"  exposed DP wire/device {h(exposed)} of {h(s.get('dp_wire_bytes', 0.0))}{loops}; "
-        f"step {sch['step_flops']:.3g} dot/conv flops{order}"
+        f"  exposed DP wire/device {h(per_step)} of {h(dp_step)} per step ({h(exposed)} of {h(dp)} per "
+        f"instruction); step {sch['step_flops']:.3g} dot/conv flops{order}"
     )
     return lines

@@ -15,7 +15,9 @@ the first rule that matches wins:
     attention       made in a function named like "attention", two dims of size T and at
                     least `attention_elements` elements (the [B, H, T, T] scores, softmax
                     probabilities, mask and their gradients, not a [B, T, D] output)
-    reduced_grads   the result of an all-reduce or reduce-scatter, or jzero's grad code
+    reduced_grads   the result of an all-reduce or reduce-scatter, a buffer a dynamic-update-slice
+                    writes one into (ZeRO-2/3's per-unit reduce-scatters filling the stacked
+                    [L, ...] grad shards inside the layer loop), or jzero's grad code
                     (`GRAD_CODE`) adding one into an accumulator (ZeRO-2's micro-batches)
     local_grads     made by jzero's grad code (the cast, scaling, bucketing and micro-batch
                     accumulation of the unreduced grads), or with the shape of a param (its
@@ -38,8 +40,14 @@ from jzero.inspect import hlo
 from jzero.inspect.hlo_module import Instr, Module, dims, ints
 
 CATEGORIES = ("local_grads", "reduced_grads", "activations", "attention", "backward", "other")
-# Functions of jzero's grad code (spec path: jzero/zero/step.py; flat path: jzero/zero/flat_step.py).
-GRAD_CODE = ("reduced_grads", "build_flat_step.<locals>.local_grad_buckets", "build_flat_step.<locals>.grads_body")
+# Functions of jzero's grad code (spec path: jzero/zero/step.py, `_unit_grads` ZeRO-2/3's; flat path:
+# jzero/zero/flat_step.py).
+GRAD_CODE = (
+    "reduced_grads",
+    "_unit_grads",
+    "build_flat_step.<locals>.local_grad_buckets",
+    "build_flat_step.<locals>.grads_body",
+)
 _ALIAS = {"bitcast", "copy", "copy-done"}
 _REDUCTIONS = {"all-reduce", "reduce-scatter"}
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
@@ -217,6 +225,28 @@ def _is_reduction(m: Module, i: Instr | None) -> bool:
     return re.sub(r"-(start|done)$", "", i.opcode) in _REDUCTIONS
 
 
+def _written(m: Module, i: Instr) -> Instr | None:
+    """What a dynamic-update-slice (or a fusion whose root is one) writes into its buffer: the
+    origin of its update operand (as the per-unit reduce-scatters fill a stacked [L, ...] grad
+    buffer one layer at a time inside the layer loop); None for anything else."""
+    if i.opcode == "dynamic-update-slice" and len(i.operands) > 1:
+        return _origin(m, i.operands[1], ())
+    root = m.root(i.called[0]) if i.opcode == "fusion" and i.called else None
+    if root is None or root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+        return None
+    u = m.instr.get(root.operands[1])
+    while u is not None and u.opcode in ("bitcast", "copy", "convert", "reshape") and u.operands:
+        u = m.instr.get(u.operands[0])
+    if u is None or u.opcode != "parameter" or not u.operands[0].isdigit() or int(u.operands[0]) >= len(i.operands):
+        return None
+    return _origin(m, i.operands[int(u.operands[0])], ())
+
+
+def _reduced(m: Module, i: Instr | None) -> bool:
+    """`i` is a reduction, or a dynamic-update-slice writing one (`_written`)."""
+    return i is not None and (_is_reduction(m, i) or _is_reduction(m, _written(m, i)))
+
+
 def _classify(m: Module, key, size, shape, param_shapes, seq_len, attention_elements) -> Buffer:
     name, index = _split_key(key)
     o = _origin(m, name, index) or Instr(name, "", "", (), "", "", False)
@@ -230,7 +260,7 @@ def _classify(m: Module, key, size, shape, param_shapes, seq_len, attention_elem
     scores = sum(d == seq_len for d in value_dims) >= 2 and math.prod(value_dims) >= attention_elements
     if "attention" in function.lower() and scores:
         category = "attention"
-    elif _is_reduction(m, o) or (grad_code and any(_is_reduction(m, _origin(m, p, ())) for p in o.operands)):
+    elif _reduced(m, o) or (grad_code and any(_reduced(m, _origin(m, p, ())) for p in o.operands)):
         category = "reduced_grads"
     elif (grad_code and any(d != 1 for d in value_dims)) or (backward and _squeezed(value_dims) in param_shapes):
         category = "local_grads"

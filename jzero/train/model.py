@@ -267,10 +267,9 @@ class GPT(nnx.Module):
         before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
-            return units.unit(lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis), state, x)
-
-        if self.remat:  # Megatron's full recompute: keep only each block's input for backward
-            layer = jax.checkpoint(layer, static_argnums=0)
+            # remat: Megatron's full recompute, keeping only each block's input for backward
+            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis)  # noqa: E731
+            return units.unit(block, state, x, remat=self.remat)
         if self.scan_layers:
             graphdef, states = nnx.split(self.blocks)
             x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)

@@ -2,16 +2,22 @@
 beside Megatron's formula and the DDP figure (docs/megatron.md, "Bytes per parameter").
 
 "grads" is the grad buffer the microbatches accumulate into (full local grads under DDP and
-ZeRO-1, the owned shard under ZeRO-2). It lives only inside the step, so its bytes are read
-from the shardings the step pins on it (`Zero.grad_buffer_structs`), not from an array.
+ZeRO-1, the owned shard under ZeRO-2 and ZeRO-3). It lives only inside the step, so its bytes are
+read from the shardings the step pins on it (`Zero.grad_buffer_structs`), not from an array.
 
 Formula, per data-parallel domain (dense params over d = dp_outer x dp x ep, expert params
 over edp = dp_outer x dp), with P_local the params one model-parallel rank holds in that domain
-(`ShardingPlan.numel_by_domain`: tp-local, and for experts this rank's E/ep experts) and d its size:
-  params P_local * param_bytes; grads P_local * grad_bytes (/ d under optim_grads);
-  optimizer state P_local * (main_bytes + moment_bytes) (/ d unless no_shard),
+(`ShardingPlan.numel_by_domain`: tp-local, and for experts this rank's E/ep experts):
+  params P_local * param_bytes (/ d_params under optim_grads_params);
+  grads P_local * grad_bytes (/ d_state under optim_grads and optim_grads_params);
+  optimizer state P_local * (main_bytes + moment_bytes) (/ d_state unless no_shard),
   where main_bytes is 4 for non-fp32 params (fp32 master copy), else 0 (Megatron keeps
-  no second copy of fp32 params). The per-device bytes are the sum over the domains.
+  no second copy of fp32 params). d_state = d_params = d without HSDP; with HSDP
+  (dp_outer = d_o > 1) d_params = d_i = d / d_o, the inner axes ZeRO-3's params are split over,
+  and d_state = d_i, or d under `zero.outer_strategy: optim`, which also splits the state and
+  the reduced grads across dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d,
+  the ZeRO paper's stage 3, (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
+  sum over the domains.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
+from jzero.config import OuterStrategy
+from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size
 
 
 def per_device_bytes(tree) -> int:
@@ -144,8 +151,9 @@ def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
     """Megatron's per-device bytes of each data-parallel domain (module docstring).
 
     Returns: {"dense": ..., "expert": ...} (only the domains that hold params), each {axes,
-    d (the domain's size), numel (P_local), params, main_params, optimizer_moments, grads}
-    (bytes per device); `ddp` gives DDP's (d = 1 for every domain).
+    d (the domain's size), d_state (what the state and sharded grads are split over), d_params
+    (what ZeRO-3's params are split over), numel (P_local), params, main_params,
+    optimizer_moments, grads} (bytes per device); `ddp` gives DDP's (every d 1).
     """
     cfg, plan = run.cfg, run.zero.plan
     param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
@@ -155,16 +163,24 @@ def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
     inner = jax.eval_shape(run.zero.inner.init, abstract)
     total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))
     moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
+    outer = (OUTER_AXIS,) if plan.mesh.shape[OUTER_AXIS] > 1 else ()
     out = {}
     for axes, p in plan.numel_by_domain().items():
-        d = 1 if ddp else axes_size(plan.mesh, axes)
-        shard_state = d if plan.shards_state else 1
-        shard_grads = d if plan.shards_grads else 1
+        d = axes_size(plan.mesh, axes)
+        d_params = axes_size(plan.mesh, tuple(a for a in axes if a not in outer))
+        d_state = d if plan.outer_strategy == OuterStrategy.OPTIM else d_params
+        if ddp:
+            d = d_params = d_state = 1
+        shard_state = d_state if plan.shards_state else 1
+        shard_grads = d_state if plan.shards_grads else 1
+        shard_params = d_params if plan.shards_params else 1
         out[DOMAIN_NAMES[axes]] = {
             "axes": list(axes),
             "d": d,
+            "d_state": d_state,
+            "d_params": d_params,
             "numel": p,
-            "params": p * param_b,
+            "params": p * param_b / shard_params,
             "main_params": p * main_b / shard_state,
             "optimizer_moments": p * moment_b / shard_state,
             "grads": p * grad_b / shard_grads,

@@ -137,15 +137,20 @@ def materialize(x):
     return _materialize(x.hook, x.value, x.sink) if isinstance(x, UnitParam) else x
 
 
-def unit(fn: Callable, params: PyTree, *args, **kwargs):
-    """`fn(params, *args, **kwargs)` as one FSDP unit (module docstring); `args` are arrays."""
+def unit(fn: Callable, params: PyTree, *args, remat: bool = False, **kwargs):
+    """`fn(params, *args, **kwargs)` as one FSDP unit (module docstring); `args` are arrays.
+
+    remat: recompute the whole unit in backward, keeping only its inputs (Megatron's full
+    recompute, `jax.checkpoint`), ZeRO or not. It subsumes `reshard_after_forward` (the params are
+    gathered again with the rest); a second checkpoint inside the model's own would gather them a
+    third time, so a model that recomputes its units says so here rather than wrapping `unit`."""
     leaves = [x for x in jax.tree.leaves(params, is_leaf=is_unit_param) if isinstance(x, UnitParam)]
-    if not leaves:
-        return fn(params, *args, **kwargs)
 
     def run(params, *args):
         return fn(jax.tree.map(materialize, params, is_leaf=is_unit_param), *args, **kwargs)
 
+    if remat:
+        return jax.checkpoint(run)(params, *args)
     if any(x.hook.reshard for x in leaves):
-        run = jax.checkpoint(run, policy=RESHARD_POLICY)
+        return jax.checkpoint(run, policy=RESHARD_POLICY)(params, *args)
     return run(params, *args)
