@@ -7,6 +7,7 @@ import fcntl
 import functools
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -16,9 +17,10 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from jzero.config import Config, MeshConfig, OptimizerName, ZeroConfig, from_dict
-from jzero.train.loop import lr_schedule, param_groups, setup
+from jzero.train.loop import Run, lr_schedule, param_groups, setup
 from jzero.train.model import GPTModel
 from jzero.zero.groups import ParamGroup
+from jzero.zero.state import TrainState
 from jzero.zero.update import clip_by_global_norm
 
 STEPS = 5
@@ -88,30 +90,43 @@ def grouped_loss(model: GPTModel, groups: int):
     return loss if groups > 1 else model.loss
 
 
-@functools.cache
-def _reference_run(cfg: Config, steps: int, groups: int = 1):
-    """`_compute_reference`, computed once per test session: the first pytest-xdist worker to need
-    it computes it under a file lock and saves it in the session's directory (`conftest.py`)."""
+def _once_per_session(key: str, compute: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+    """`compute()` (named arrays), computed once per test session: the first pytest-xdist worker to
+    need `key` computes it under a file lock and saves it in the session's directory (`conftest.py`),
+    the others load it. Returns (the arrays, whether this call computed them)."""
     shared = os.environ.get(REFERENCE_DIR)
     if shared is None:
-        return _compute_reference(cfg, steps, groups)
-    key = hashlib.sha256(repr((cfg, steps, groups)).encode()).hexdigest()[:24]
+        return compute(), True
     path = Path(shared) / f"{key}.npz"
-    treedef = jax.tree.structure(GPTModel(cfg.model, seed=cfg.train.seed).abstract_params())
+    computed = False
     with open(Path(shared) / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this reference, then loads it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for this one, then loads it
         if not path.exists():
-            init, losses, norms, params = _compute_reference(cfg, steps, groups)
-            arrays = {f"init{i}": x for i, x in enumerate(jax.tree.leaves(init))}
-            arrays |= {f"params{i}": x for i, x in enumerate(jax.tree.leaves(params))}
+            arrays, computed = compute(), True
             tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, losses=losses, norms=norms, **arrays)
+            np.savez(tmp, **arrays)
             os.replace(tmp, path)
     with np.load(path) as f:
-        n = treedef.num_leaves
-        init = jax.tree.unflatten(treedef, [f[f"init{i}"] for i in range(n)])
-        params = jax.tree.unflatten(treedef, [f[f"params{i}"] for i in range(n)])
-        return init, f["losses"], f["norms"], params
+        return {name: f[name] for name in f.files}, computed
+
+
+@functools.cache
+def _reference_run(cfg: Config, steps: int, groups: int = 1):
+    """`_compute_reference`, computed once per test session (`_once_per_session`)."""
+
+    def compute():
+        init, losses, norms, params = _compute_reference(cfg, steps, groups)
+        arrays = {f"init{i}": x for i, x in enumerate(jax.tree.leaves(init))}
+        arrays |= {f"params{i}": x for i, x in enumerate(jax.tree.leaves(params))}
+        return dict(losses=losses, norms=norms, **arrays)
+
+    key = hashlib.sha256(repr((cfg, steps, groups)).encode()).hexdigest()[:24]
+    f, _ = _once_per_session(key, compute)
+    treedef = jax.tree.structure(GPTModel(cfg.model, seed=cfg.train.seed).abstract_params())
+    n = treedef.num_leaves
+    init = jax.tree.unflatten(treedef, [f[f"init{i}"] for i in range(n)])
+    params = jax.tree.unflatten(treedef, [f[f"params{i}"] for i in range(n)])
+    return init, f["losses"], f["norms"], params
 
 
 def _compute_reference(cfg: Config, steps: int, groups: int):
@@ -120,7 +135,8 @@ def _compute_reference(cfg: Config, steps: int, groups: int):
     tx = plain_optax(cfg, model)
     device = jax.devices()[0]
     params = jax.jit(model.init, out_shardings=SingleDeviceSharding(device))()  # jit(device=) is deprecated
-    opt_state = tx.init(params)
+    # Committed to the device like the step's outputs, so every call of `step` hits its first compile.
+    opt_state = jax.device_put(tx.init(params), device)
 
     @jax.jit
     def step(params, opt_state, batch):
@@ -145,12 +161,44 @@ def setup_free_dataset(cfg: Config):
     return make_dataset(cfg)
 
 
+def init_state(run: Run) -> TrainState:
+    """`run.init_state()`, whose program is compiled once per test session.
+
+    Fidelity runs that differ only in what the step does (microbatches; ZeRO-1 or ZeRO-2, whose
+    states are laid out alike) run the same init program. Its text (lowered, never compiled) and
+    the mesh's devices name it: the first run of a program in the session runs it and saves its
+    output (`_once_per_session`); a later run of the same program gets that output, bitwise what the
+    program makes, put in the same shardings (`run.zero.shardings`, the init's out_shardings).
+    """
+    text = jax.jit(run.init_state).lower().as_text()
+    devices = [d.id for d in run.mesh.devices.flat]
+    key = "init-" + hashlib.sha256(repr((text, devices)).encode()).hexdigest()[:24]
+    shardings = jax.tree.leaves(run.zero.shardings)
+    made = []
+
+    def compute():
+        made.append(run.init_state())
+        leaves = jax.device_get(jax.tree.leaves(made[0]))
+        assert jax.tree.structure(made[0]) == jax.tree.structure(run.zero.shardings)
+        # Stored as fp32/int (np.savez cannot store bfloat16); the round trip is exact.
+        dtypes = np.array([str(x.dtype) for x in leaves])
+        return {"dtypes": dtypes} | {
+            f"x{i}": x.astype(np.float32) if x.dtype == jnp.bfloat16 else x for i, x in enumerate(leaves)
+        }
+
+    arrays, _ = _once_per_session(key, compute)
+    if made:  # this call ran the init itself
+        return made[0]
+    leaves = [arrays[f"x{i}"].astype(jnp.dtype(dtype)) for i, dtype in enumerate(arrays["dtypes"])]
+    return jax.tree.unflatten(jax.tree.structure(run.zero.shardings), jax.device_put(leaves, shardings))
+
+
 def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None = None):
     """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state).
 
     record: if given, each step's metrics (floats) are appended to it."""
     run = setup(cfg, devices)
-    state = run.init_state()
+    state = init_state(run)
     init = jax.device_get(state.params)
     losses, norms = [], []
     for i in range(steps):

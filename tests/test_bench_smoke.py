@@ -1,7 +1,8 @@
 """experiments/bench/run.py still runs against jzero's API, and its shard_map ZeRO-2 does jzero's work.
 
 One timed step of the smallest selection (the hand-written shard_map ZeRO-2 beside jzero's spec DDP,
-the check's reference), in its own process: the bench starts JAX itself (8 simulated devices).
+the check's reference) on the bench's smoke model (the tiny GPT with one block), in its own process:
+the bench starts JAX itself (8 simulated devices).
 """
 
 import json
@@ -14,12 +15,12 @@ BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "run.py"
 
 
 def test_bench_runs_and_its_baseline_matches_jzero(tmp_path):
-    cmd = [sys.executable, str(BENCH), "--models", "tiny", "--only", "hand-shard_map", "--warmup", "1", "--steps", "1",
+    cmd = [sys.executable, str(BENCH), "--models", "smoke", "--only", "hand-shard_map", "--warmup", "1", "--steps", "1",
            "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    (row,) = result["models"]["tiny"]["rows"]
+    (row,) = result["models"]["smoke"]["rows"]
     assert (row["impl"], row["stage"]) == ("hand-shard_map", "ZeRO-2")
     assert row["check"]["ok"], row["check"]
     assert 1.0 <= row["wire_ratio_to_theory"] <= 1.01  # one psum_scatter + one all_gather, padded to d

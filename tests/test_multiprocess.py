@@ -66,11 +66,16 @@ def _one_line(stderr: str) -> str:
     return lines[0].removeprefix("jzero: error: ")
 
 
-@pytest.mark.parametrize("path", ["spec", "flat"])
+def zero2_on(path: str) -> list[str]:
+    """ZeRO-2 on `path`, dp 4 x tp 2: on 2 processes x 4 CPU devices the dp groups span both processes."""
+    return ["--set", "zero.strategy=optim_grads", "--set", f"zero.path={path}", "--set", "mesh.dp=4",
+            "--set", "mesh.tp=2"]
+
+
+@pytest.mark.parametrize("path", ["flat"])  # spec: test_a_checkpoint_moves_from_two_processes_to_one_and_back
 def test_launch_two_processes_train_like_one(path, tmp_path):
     """ZeRO-2 on 2 processes x 4 CPU devices (dp 4 x tp 2, across processes) = 1 process x 8 devices."""
-    sets = ["--set", "zero.strategy=optim_grads", "--set", f"zero.path={path}", "--set", "mesh.dp=4",
-            "--set", "mesh.tp=2", "--set", "train.steps=5"]
+    sets = [*zero2_on(path), "--set", "train.steps=5"]
     assert main(["train", "--out", str(tmp_path / "single"), *TINY, *sets]) == 0
     single = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
 
@@ -196,13 +201,16 @@ def test_launch_names_the_process_that_died(tmp_path):
 
 
 def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
-    """ZeRO-2 on 2 x 4 devices saves steps 1-2, one process with 8 resumes to 4, two again to 6:
-    every step's loss is the uninterrupted single-process run's."""
-    ck = ["--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "checkpoint.every=2"]
-    assert main(["train", "--out", str(tmp_path / "ref"), *TINY, "--set", "train.steps=6"]) == 0
+    """ZeRO-2 on 2 x 4 devices (spec path, dp 4 x tp 2, across processes) saves steps 1-2, one process
+    with 8 resumes to 4, two again to 6: every step's loss and grad norm is the uninterrupted
+    single-process run's, so the two-process steps (1-2, 5-6) also train like one process (the spec
+    case of test_launch_two_processes_train_like_one)."""
+    ck = ["--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "checkpoint.every=2", *zero2_on("spec")]
+    assert main(["train", "--out", str(tmp_path / "ref"), *TINY, *zero2_on("spec"), "--set", "train.steps=6"]) == 0
     launch = _jzero("launch", "--local", "2", "--out", str(tmp_path / "a"), *TINY, *FAST, *ck, "--set", "train.steps=2")
-    _, err = launch.communicate(timeout=300)
+    out, err = launch.communicate(timeout=300)
     assert launch.returncode == 0, err[-3000:]
+    assert "per-device memory" in out  # process 0's report passes through
     assert main(["train", "--out", str(tmp_path / "b"), *TINY, *ck, "--set", "train.steps=4", "--resume"]) == 0
     launch = _jzero("launch", "--local", "2", "--out", str(tmp_path / "c"), *TINY, *FAST, *ck, "--set", "train.steps=6",
                     "--resume")
@@ -212,4 +220,5 @@ def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
     ref = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [f"step_{s:08d}" for s in (2, 4, 6)]
