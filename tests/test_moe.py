@@ -78,7 +78,7 @@ def test_all_to_all_sends_each_expert_its_slots_from_every_rank_and_back():
 # ---------------------------------------------------------------- fidelity
 
 
-@pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))  # flat ZeRO-1 x 1 = ZeRO-2 x 1
+@pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))  # each code path once per mesh and path
 def test_moe_matches_single_device_optax(strategy, mesh, microbatches, path):
     """Losses, grad norms (every element once across dp, ep and tp) and params after 5 steps; the
     step's metrics report the routing: capacity 1.0 drops a few token copies, and Switch's
