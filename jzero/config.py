@@ -49,6 +49,12 @@ class ZeroPath(str, enum.Enum):
 class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"  # needs dynamic loss scaling (precision.initial_loss_scale, ...)
+
+
+class MomentsDType(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
 
 
 class OptimizerName(str, enum.Enum):
@@ -165,8 +171,17 @@ class ZeroConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
+    """Megatron's mixed precision: the model copy in `param_dtype`, fp32 main params beside it
+    when that is not fp32. float16 turns on Megatron's dynamic loss scaling (the keys below,
+    `jzero.zero.loss_scale`): a step whose grads hold an inf or nan is skipped and the scale backs off.
+    """
+
     param_dtype: DType = DType.FLOAT32  # the model copy used in forward/backward
     grad_reduce_dtype: DType = DType.FLOAT32  # dtype of the grad buffer and its reduction
+    initial_loss_scale: float = 2.0**32  # float16 only, as the three below
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # finite steps before the scale doubles
+    hysteresis: int = 2  # inf/nan steps before the scale first halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +209,7 @@ class OptimizerConfig:
     param_groups: tuple[ParamGroupRule, ...] = ()  # per-name lr/wd multipliers, applied in order
     clip_grad: float | None = 1.0  # global-norm clipping over all shards; None = off
     warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
+    moments_dtype: MomentsDType = MomentsDType.FLOAT32  # moments stored in it, math in fp32 (Megatron's exp_avg_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,6 +475,21 @@ def _check_optimizer(o: OptimizerConfig) -> None:
     _check_param_groups(o)
 
 
+def _check_precision(p: PrecisionConfig) -> None:
+    if p.grad_reduce_dtype == DType.FLOAT16 and p.param_dtype != DType.FLOAT16:
+        raise ConfigError(
+            f"precision.grad_reduce_dtype=float16 needs precision.param_dtype=float16 (loss scaling), "
+            f"got {p.param_dtype.value}"
+        )
+    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        _positive(f"precision.{key}", getattr(p, key))
+    if p.min_loss_scale > p.initial_loss_scale:
+        raise ConfigError(
+            f"precision.min_loss_scale={p.min_loss_scale} must be <= "
+            f"precision.initial_loss_scale={p.initial_loss_scale}"
+        )
+
+
 def _check_param_groups(o: OptimizerConfig) -> None:
     for i, rule in enumerate(o.param_groups):
         key = f"optimizer.param_groups[{i}]"
@@ -514,6 +545,7 @@ def validate(cfg: Config) -> None:
     for f in dataclasses.fields(cfg):
         _check_finite(f.name, getattr(cfg, f.name))
     _check_optimizer(o)
+    _check_precision(cfg.precision)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for f in dataclasses.fields(cfg.distributed):

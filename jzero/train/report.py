@@ -65,7 +65,7 @@ def measured_bytes(run, state) -> dict:
     return {
         "params": per_device_bytes(state.params),
         "grads": shard_bytes(run.zero.grad_buffer_structs(grad_dtype)),
-        "optimizer_state": per_device_bytes(state.opt_state),
+        "optimizer_state": per_device_bytes(state.opt_state[:2]),  # main params, inner state (not the scaler)
     }
 
 
@@ -92,7 +92,16 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         },
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
         **_moe(metrics),
+        **_loss_scale(metrics),
     }
+
+
+def _loss_scale(metrics: list[dict]) -> dict:
+    """{"loss_scale": {last, skipped_steps}} for an fp16 run (dynamic loss scaling), else {}."""
+    if "loss_scale" not in metrics[0]:
+        return {}
+    skipped = sum(int(m["skipped"]) for m in metrics)
+    return {"loss_scale": {"last": metrics[-1]["loss_scale"], "skipped_steps": skipped}}
 
 
 def _moe(metrics: list[dict]) -> dict:
@@ -134,6 +143,12 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"MoE: load-balancing loss {s['moe']['aux_loss_last']:.4f} at the last step (1 = balanced), "
             f"{100 * s['moe']['dropped_frac_mean']:.2f}% of token copies over capacity (mean over steps)"
+        )
+    if "loss_scale" in s:
+        ls = s["loss_scale"]
+        lines.append(
+            f"fp16 loss scaling: {ls['skipped_steps']} of {s['steps']} steps skipped (inf/nan grads), "
+            f"loss scale {ls['last']:.0f} at the last step"
         )
     rep = s["replicated_tensors"]
     if rep:

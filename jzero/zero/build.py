@@ -23,6 +23,7 @@ from jzero.zero.batch import batch_sharding
 from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat_plan import FlatPlan, make_flat_plan
 from jzero.zero.flat_step import build_flat_step
+from jzero.zero.loss_scale import DynamicLossScale
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
 from jzero.zero.probe import check_groups_read
 from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
@@ -118,6 +119,7 @@ def build_zero(
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
+    loss_scale: DynamicLossScale | None = None,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
@@ -148,10 +150,13 @@ def build_zero(
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
       has_aux: `loss_fn` returns (loss, metrics); the step's metrics then hold each one's
         mean over ranks and microbatches.
+      loss_scale: dynamic loss scaling (fp16 params; `loss_scale.DynamicLossScale`): the step
+        differentiates loss x scale, unscales the reduced grads in fp32, skips the whole update
+        when any is inf/nan, and reports `loss_scale` and `skipped`. None: off.
     """
     plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
-    model_opt_sh = opt_state_shardings(inner, plan)
+    model_opt_sh = opt_state_shardings(inner, plan, loss_scale)
     if zero.path == ZeroPath.FLAT:
         if plan.shards_params:
             raise ConfigError(
@@ -161,10 +166,10 @@ def build_zero(
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
-            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
+            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
         )  # fmt: skip
         return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
-    optimizer = zero_optimizer(inner, plan, clip_grad, groups)
+    optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale)
     shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
     kwargs = dict(
         microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
