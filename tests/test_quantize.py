@@ -16,7 +16,8 @@ import pytest
 
 from helpers import init_state, plain_optax, rel_param_errors, setup_free_dataset, tiny_config
 from jzero.config import ConfigError, MeshConfig, ZeroConfig
-from jzero.inspect.compile import abstract_state
+from jzero.inspect import comms
+from jzero.inspect.compile import CompiledStep, abstract_state
 from jzero.inspect.hlo import axes_of_groups, parse_collectives
 from jzero.train.loop import setup
 from jzero.train.model import GPTModel
@@ -143,13 +144,18 @@ def test_model_copy_is_the_blockwise_quantized_main_params(dtype):
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
     # The gather moved one byte per element of each rank's shard, and its fp32 scales: per bucket
-    # d x S bytes of codes and d x ceil(S / BLOCK) x 4 of scales.
+    # d x S bytes of codes and d x ceil(S / BLOCK) x 4 of scales; `jzero hlo` reports them beside bf16.
     gathers = _dp_gathers(run, state)
     wire = {"int8": "s8", "float8_e4m3fn": "u8"}[dtype]
-    assert {c.dtype for c in gathers} == {wire, "f32"}
+    payload = {wire: 0, "f32": 0}
+    for c in gathers:
+        for array_dtype, shape in zip(c.array_dtypes, c.shapes):
+            payload[array_dtype] += c.group_size * math.prod(shape) * (4 if array_dtype == "f32" else 1)
     sizes = [fp.shard_size(b) for b in range(fp.n_buckets)]
-    assert sum(c.payload_bytes for c in gathers if c.dtype == wire) == sum(8 * s for s in sizes)
-    assert sum(c.payload_bytes for c in gathers if c.dtype == "f32") == sum(8 * 4 * math.ceil(s / BLOCK) for s in sizes)
+    assert payload == {wire: sum(8 * s for s in sizes), "f32": sum(8 * 4 * math.ceil(s / BLOCK) for s in sizes)}
+    report = comms.param_gather(CompiledStep(run, None, state, "cpu", None, 0.0), gathers, {})
+    assert (report["codes_wire_bytes"], report["scales_wire_bytes"]) == (7 / 8 * payload[wire], 7 / 8 * payload["f32"])
+    assert report["bf16_wire_bytes"] == 2 * report["codes_wire_bytes"]
 
 
 def test_expert_buffer_and_hsdp_two_level_gather_move_codes_and_scales():
