@@ -38,7 +38,7 @@ def _qd(x: np.ndarray, dtype: str) -> np.ndarray:
     for start in range(0, x.size, BLOCK):
         block = x[start : start + BLOCK]
         amax = np.float32(np.abs(block).max())
-        scale = amax * np.float32(1 / QMAX[dtype]) if amax > 0 else np.float32(1)
+        scale = np.float32(1) if amax == 0 else amax * np.float32(1 / QMAX[dtype])
         y = np.clip(block / scale, -QMAX[dtype], QMAX[dtype])
         codes = np.round(y) if dtype == "int8" else y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         out[start : start + BLOCK] = codes * scale

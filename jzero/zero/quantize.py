@@ -9,7 +9,8 @@ per element and a scale per block:
             128 / gcd(d, 128) elements, not of 128: no block size divides every shard). Blocks
             never straddle two ranks' shards, so each rank quantizes alone.
   scale:    symmetric absmax, `scale_k = max|x_block| x fp32(1 / QMAX)` (QMAX 127 for int8, 448
-            for float8_e4m3fn, its largest finite value); an all-zero block (padding) gets scale 1.
+            for float8_e4m3fn, its largest finite value); an all-zero block (padding) gets scale 1,
+            a block holding a NaN or an inf a NaN or inf scale: the model copy shows it, never hides it.
   codes:    int8 `clip(round(x / scale), -127, 127)`; float8_e4m3fn `x / scale` rounded to the
             nearest e4m3fn (clipped to +-448 first: e4m3fn has no infinity, an overflow is NaN).
   wire:     the codes `[S]` (1 byte each) and the fp32 scales `[ceil(S / BLOCK)]`, all-gathered
@@ -47,11 +48,6 @@ def n_blocks(size: int, block: int = BLOCK) -> int:
     return -(-size // block)
 
 
-def wire_bytes(size: int, block: int = BLOCK) -> int:
-    """Bytes one rank contributes to the gather of a shard of `size` elements: codes + fp32 scales."""
-    return size + 4 * n_blocks(size, block)
-
-
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     """[..., S] -> [..., ceil(S / block), block], zero-padded at the end."""
     size = x.shape[-1]
@@ -61,13 +57,14 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def quantize(x: jax.Array, dtype: ParamGatherDType, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
-    """One rank's shard -> (codes [S] in the wire dtype (int8, or fp8's bytes as uint8), scales f32 [S/block])."""
+    """One rank's shard [S] (per device, inside shard_map) -> (codes [S] in the wire dtype: int8, or
+    fp8's bytes as uint8; scales f32 [ceil(S / block)])."""
     size = x.shape[0]
     blocks = _blocks(x.astype(jnp.float32), block)  # [nb, block]
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [nb]
     qmax = QMAX[dtype]
     # x (1 / QMAX), spelled out: XLA turns a division by a constant into that product anyway.
-    scale = jnp.where(amax > 0, amax * jnp.float32(1 / qmax), 1.0)
+    scale = jnp.where(amax == 0, 1.0, amax * jnp.float32(1 / qmax))
     y = jnp.clip((blocks / scale[:, None]).reshape(-1)[:size], -qmax, qmax)
     if dtype == ParamGatherDType.INT8:
         y = jnp.round(y)
@@ -90,7 +87,8 @@ def dequantize(
 def gather_quantized(
     x: jax.Array, gather: Callable[[jax.Array], jax.Array], dtype: ParamGatherDType, out_dtype, block: int = BLOCK
 ) -> jax.Array:
-    """This rank's fp32 shard [S] -> the whole bucket [d * S] in `out_dtype`, its codes and scales
-    gathered by `gather` (an all_gather over the bucket's DP domain, tiled on dim 0)."""
+    """This rank's fp32 shard [S] -> the whole bucket [d * S] in `out_dtype`, replicated over the
+    bucket's DP domain: its codes and scales gathered by `gather` (an all_gather over that domain,
+    tiled on dim 0; per device, inside shard_map)."""
     codes, scales = quantize(x, dtype, block)
     return dequantize(gather(codes), gather(scales), x.shape[0], dtype, out_dtype, block)
