@@ -46,6 +46,14 @@ class ZeroPath(str, enum.Enum):
     FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
 
 
+class ParamGatherDType(str, enum.Enum):
+    """The flat path's param all-gather in one byte per element (ZeRO++ qwZ, Megatron's fp8_param_gather):
+    each rank quantizes its updated shard blockwise, scales absmax/127 or absmax/448 (`zero/quantize.py`)."""
+
+    INT8 = "int8"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+
+
 class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -167,6 +175,9 @@ class ZeroConfig:
     pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
     reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
+    # Flat path: all-gather the updated params in this dtype, a scale per 2048-element block of each
+    # rank's shard; the fp32 main params stay exact (kept even for fp32 params). None = param_dtype.
+    param_gather_dtype: ParamGatherDType | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,6 +539,15 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
 
 
+def _check_param_gather(z: ZeroConfig) -> None:
+    """zero.param_gather_dtype quantizes the flat path's all-gather of the updated shards: it needs that gather."""
+    name = z.param_gather_dtype.value
+    if z.path != ZeroPath.FLAT:
+        raise ConfigError(f"zero.param_gather_dtype={name} needs zero.path=flat (the spec path's gathers are XLA's)")
+    if z.strategy == ShardingStrategy.NO_SHARD:
+        raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
+
+
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
@@ -576,6 +596,8 @@ def validate(cfg: Config) -> None:
     _check_moe(m, mesh)
     if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    if cfg.zero.param_gather_dtype is not None:
+        _check_param_gather(cfg.zero)
     if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and cfg.zero.path == ZeroPath.FLAT:
         raise ConfigError(
             "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "

@@ -12,11 +12,12 @@ over edp = dp_outer x dp), with P_local the params one model-parallel rank holds
   grads P_local * grad_bytes (/ d_state under optim_grads and optim_grads_params);
   optimizer state P_local * (main_bytes + moment_bytes) (/ d_state unless no_shard),
   where main_bytes is 4 for non-fp32 params (fp32 master copy), else 0 (Megatron keeps
-  no second copy of fp32 params). d_state = d_params = d without HSDP; with HSDP
-  (dp_outer = d_o > 1) d_params = d_i = d / d_o, the inner axes ZeRO-3's params are split over,
-  and d_state = d_i, or d under `zero.outer_strategy: optim`, which also splits the state and
-  the reduced grads across dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d,
-  the ZeRO paper's stage 3, (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
+  no second copy of fp32 params) but 4 with `zero.param_gather_dtype` (quantized model copy).
+  d_state = d_params = d without HSDP; with HSDP (dp_outer = d_o > 1) d_params = d_i = d / d_o,
+  the inner axes ZeRO-3's params are split over, and d_state = d_i, or d under
+  `zero.outer_strategy: optim`, which also splits the state and the reduced grads across
+  dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d, the ZeRO paper's stage 3,
+  (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
   sum over the domains.
 """
 
@@ -173,7 +174,9 @@ def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
     cfg, plan = run.cfg, run.zero.plan
     param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
     grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
-    main_b = 0 if param_b == 4 else 4
+    # fp32 params keep a master copy only under a quantized gather (the model copy is then not exact); DDP has none.
+    quantized = cfg.zero.param_gather_dtype is not None and not ddp
+    main_b = 0 if param_b == 4 and not quantized else 4
     abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
     inner = jax.eval_shape(run.zero.inner.init, abstract)
     total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))

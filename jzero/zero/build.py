@@ -157,6 +157,14 @@ def build_zero(
     plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
     model_opt_sh = opt_state_shardings(inner, plan, loss_scale)
+    quantized = zero.param_gather_dtype is not None
+    if quantized and (zero.path != ZeroPath.FLAT or not plan.shards_state):
+        raise ConfigError(
+            f"zero.param_gather_dtype={zero.param_gather_dtype.value} quantizes the flat path's all-gather of the "
+            "updated params: it needs zero.path=flat and a strategy other than no_shard"
+        )
+    if quantized and model_opt_sh.main_params is None:  # fp32 params: the model copy is no longer the main params
+        model_opt_sh = model_opt_sh._replace(main_params=plan.state_shardings())
     if zero.path == ZeroPath.FLAT:
         if plan.shards_params:
             raise ConfigError(
@@ -167,6 +175,7 @@ def build_zero(
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
             grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
+            param_gather_dtype=zero.param_gather_dtype,
         )  # fmt: skip
         return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
     optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale)

@@ -19,9 +19,10 @@ Every grad, dense and expert, is scaled by 1 / (dense DP size x microbatches), a
 
 The inner optax transformation steps on the owned fp32 shards, with the param groups'
 multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards are cast
-to the param dtype and all_gathered per bucket back into the params. Only element-wise
-transformations mean the same on a shard as on the params: `probe.check_elementwise`
-refuses the others when the step is built.
+to the param dtype and all_gathered per bucket back into the params (with
+`param_gather_dtype`: quantized blockwise to one byte and gathered with their scales,
+`quantize.py`). Only element-wise transformations mean the same on a shard as on the params:
+`probe.check_elementwise` refuses the others when the step is built.
 
 Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
 main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
@@ -30,6 +31,7 @@ main params and every non-scalar optimizer-state leaf one array per bucket, [tp,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,7 +41,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError
+from jzero.config import ConfigError, ParamGatherDType
 from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
 from jzero.zero import loss_scale as scaler
 from jzero.zero.batch import batch_sharding, split_batch
@@ -47,6 +49,7 @@ from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.loss_scale import DynamicLossScale, scaled_loss
 from jzero.zero.probe import check_elementwise
+from jzero.zero.quantize import gather_quantized
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
 from jzero.zero.strategies import spec_axes
 from jzero.zero.update import clip_coefficient, inner_update, model_copy
@@ -65,10 +68,14 @@ class FlatStep(NamedTuple):
 
 
 def opt_state_shardings(
-    inner: optax.GradientTransformation, fp: FlatPlan, loss_scale: DynamicLossScale | None = None
+    inner: optax.GradientTransformation,
+    fp: FlatPlan,
+    loss_scale: DynamicLossScale | None = None,
+    quantized: bool = False,
 ) -> ZeroState:
     """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
-    scalars (and the loss scaler's) replicated."""
+    scalars (and the loss scaler's) replicated. Main params are kept for non-fp32 params, and for any
+    when the gather is `quantized` (the model copy is then not the main params)."""
     mesh = fp.plan.mesh
     bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
     shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
@@ -85,7 +92,7 @@ def opt_state_shardings(
         )
 
     inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
-    keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors))
+    keep_main = quantized or keeps_main_params(jax.tree.leaves(fp.plan.tensors))
     return ZeroState(
         bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh)
     )
@@ -106,6 +113,7 @@ def build_flat_step(
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
     loss_scale: DynamicLossScale | None = None,
+    param_gather_dtype: ParamGatherDType | None = None,
 ) -> FlatStep:
     """The flat path's shardings, optimizer init, jitted step and grads.
 
@@ -118,6 +126,8 @@ def build_flat_step(
       inner: an element-wise optax transformation (checked here; others raise ConfigError).
       groups: per param a `groups.ParamGroup`, or None.
       loss_scale: fp16's dynamic loss scaling (`loss_scale.py`; `build.build_zero`).
+      param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
+        (`quantize.gather_quantized`) instead of in the param dtype; None: the param dtype.
     """
     mesh, plan = fp.plan.mesh, fp.plan
     check_elementwise(inner, plan, groups)
@@ -125,7 +135,7 @@ def build_flat_step(
     treedef = jax.tree.structure(plan.tensors)
     dtypes = [t.dtype for t in tensors]
     param_specs = _specs(plan.param_shardings())
-    opt_sh = opt_state_shardings(inner, fp, loss_scale)
+    opt_sh = opt_state_shardings(inner, fp, loss_scale, quantized=param_gather_dtype is not None)
     shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
     reduce_specs = fp.bucket_specs()  # the reduced grads: sharded unless no_shard
@@ -242,9 +252,15 @@ def build_flat_step(
         inner_state = jax.tree.map(lambda x: x[0] if x.ndim else x, opt_state.inner_state)
         updates, inner_state = inner_update(inner, grads, inner_state, main, values)
         main = optax.apply_updates(main, updates)
-        # All-gather each updated bucket in the param dtype over its DP domain, back into the params.
-        local = model_copy(main, [dtypes[0]] * fp.n_buckets)
-        gathered = [gather(buf, m) for (buf, _), m in zip(fp.buckets, local)]
+        # All-gather each updated bucket in the param dtype (or quantized) over its DP domain, back into the params.
+        if param_gather_dtype is None:
+            local = model_copy(main, [dtypes[0]] * fp.n_buckets)
+            gathered = [gather(buf, m) for (buf, _), m in zip(fp.buckets, local)]
+        else:
+            gathered = [
+                gather_quantized(m, functools.partial(gather, buf), param_gather_dtype, dtypes[0])
+                for (buf, _), m in zip(fp.buckets, main)
+            ]
         new_params = jax.tree.unflatten(treedef, unflatten(fp, gathered, dtypes))
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner_state)
         new_main = [m[None] for m in main] if keep_main else None
