@@ -93,8 +93,10 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     b = summary["bytes_per_device"]
     assert b["measured"]["optimizer_state"] < b["ddp"]["optimizer_state"]
+    assert (summary["val_loss_last"], summary["val_loss_step"]) == (rows[-1]["val_loss"], 4)
     out = capsys.readouterr().out
     assert "per-device memory" in out and "Megatron formula" in out
+    assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
 
 
 def test_moe_one_liner_reports_its_routing(tmp_path, capsys):

@@ -11,12 +11,12 @@ import struct
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import init_state, tiny_config
 from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.train.data import SyntheticData, TokenData, make_datasets, read_text
 from jzero.train.indexed import read_indexed, write_indexed
-from jzero.train.loop import setup
+from jzero.train.loop import _loop, _Preemption, setup
 from megatron_writer import DATA, DOCUMENTS
 
 
@@ -277,21 +277,31 @@ def test_prepare_bad_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     assert needle in err and err.count("\n") == 1
 
 
-def test_train_on_megatron_data_with_validation(tmp_path, capsys):
-    """`jzero data prepare` -> `jzero train` on the prefix: val_loss in metrics.jsonl every eval_every steps and
-    at the last, in summary.json and the printed summary."""
+def test_megatron_data_trains_with_validation_and_resumes_the_same(tmp_path):
+    """`jzero data prepare` -> the training loop on the prefix: `val_loss` in metrics.jsonl every eval_every steps
+    and at the last; a run resumed after step 2 (from that step's state) sees the same batches and validation
+    batches: the same losses and validation losses, bitwise. (Checkpoints restore the state bitwise:
+    test_checkpoint.py.)"""
     src = tmp_path / "src"
     src.mkdir()
     for i in range(6):
         (src / f"doc{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 23}" for j in range(300)))
     assert main(["data", "prepare", str(src), str(tmp_path / "corpus")]) == 0
-    tiny = {"model.n_layers": 1, "model.seq_len": 16, "model.d_model": 32, "model.d_ff": 64, "train.global_batch": 8}
-    run = {"data.kind": "indexed", "data.path": tmp_path / "corpus", "data.val_fraction": 0.2, "train.steps": 3,
-           "train.eval_every": 2, "train.eval_batches": 2}  # fmt: skip
-    argv = ["train", "--quiet", "--out", str(tmp_path / "a")]
-    assert main(argv + [a for k, v in {**tiny, **run}.items() for a in ("--set", f"{k}={v}")]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "val_loss" in r] == [2, 3]
-    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-    assert summary["val_loss_last"] == rows[-1]["val_loss"] and summary["val_loss_step"] == 3
-    assert f"validation loss {rows[-1]['val_loss']:.4f} at step 3" in capsys.readouterr().out
+    model = dict(n_layers=1, d_model=32, d_ff=64)
+    train = dict(steps=4, global_batch=8, eval_every=2, eval_batches=2)
+    data = {"kind": "indexed", "path": str(tmp_path / "corpus"), "val_fraction": 0.2}
+    run = setup(tiny_config(model=model, train=train, data=data))
+    first_half = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, train=dataclasses.replace(
+        run.cfg.train, steps=2)))  # fmt: skip
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    with _Preemption() as never:
+        _loop(run, init_state(run), 0, tmp_path / "a", None, False, never)
+        (_, state), _ = _loop(first_half, init_state(run), 0, tmp_path / "b", None, False, never)
+        _loop(run, state, 2, tmp_path / "b", None, False, never)  # continues b's metrics.jsonl after step 2
+
+    def rows(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in map(json.loads, lines)]
+
+    assert [step for step, *_, val in rows(tmp_path / "a") if val is not None] == [2, 4]
+    assert rows(tmp_path / "b") == rows(tmp_path / "a")
