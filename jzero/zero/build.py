@@ -27,7 +27,7 @@ from jzero.zero.loss_scale import DynamicLossScale
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
 from jzero.zero.probe import check_groups_read
 from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
-from jzero.zero.step import build_grads, build_train_step
+from jzero.zero.step import build_evaluate, build_grads, build_train_step
 from jzero.zero.strategies import ShardingPlan, make_plan
 
 PyTree = Any
@@ -52,6 +52,9 @@ class Zero:
         [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard).
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout), where `to_model_space` puts it.
+      evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
+        computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
+        the same params and batch it is the step's "loss".
     """
 
     plan: ShardingPlan
@@ -63,6 +66,7 @@ class Zero:
     step: Callable
     grads: Callable
     model_opt_shardings: ZeroState
+    evaluate: Callable
 
     @property
     def mesh(self) -> Mesh:
@@ -177,7 +181,10 @@ def build_zero(
             grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
             param_gather_dtype=zero.param_gather_dtype,
         )  # fmt: skip
-        return Zero(plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh)
+        return Zero(
+            plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh,
+            built.evaluate,
+        )  # fmt: skip
     optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale)
     shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
     kwargs = dict(
@@ -186,4 +193,5 @@ def build_zero(
     )  # fmt: skip
     step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
     grads = build_grads(loss_fn, plan, **kwargs)
-    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh)
+    evaluate = build_evaluate(loss_fn, plan, **kwargs)
+    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, evaluate)
