@@ -168,7 +168,8 @@ def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(
     """Steps 3 and 4 (of 5) get an inf in one rank's grads: every array of the state comes out of each
     bitwise unchanged (the optimizer's step count too), `skipped` is 1, the scale stays after the
     first (hysteresis 2) and halves after the second, and step 5 trains on."""
-    cfg = tiny_config(strategy, (4, 1, 1), zero={"path": path}, precision={"param_dtype": "float16"})
+    fp16 = {"param_dtype": "float16"}
+    cfg = tiny_config(strategy, (4, 1, 1), zero={"path": path}, precision=fp16, model={"n_layers": 1})
     run = setup(cfg, jax.devices()[:4])  # the model and config; the step is built below with the poison
     model, abstract = run.model, run.model.abstract_params()
 
