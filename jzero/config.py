@@ -161,6 +161,9 @@ class ZeroConfig:
     pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
     reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
+    # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
+    # steps, whole params (spec) or buckets (flat) in order (jzero/zero/offload.py); 0 = none.
+    offload_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +523,8 @@ def validate(cfg: Config) -> None:
         _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
     if cfg.zero.bucket_size is not None:
         _positive("zero.bucket_size", cfg.zero.bucket_size)
+    if not 0.0 <= cfg.zero.offload_fraction <= 1.0:  # NaN too
+        raise ConfigError(f"zero.offload_fraction={cfg.zero.offload_fraction} must be in [0, 1]")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % mesh.tp:

@@ -44,6 +44,7 @@ from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
 from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
 from jzero.zero.groups import GroupValues, group_leaves
+from jzero.zero.offload import Offload
 from jzero.zero.probe import check_elementwise
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
 from jzero.zero.strategies import spec_axes
@@ -99,6 +100,7 @@ def build_flat_step(
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
+    offload: Offload | None = None,
 ) -> FlatStep:
     """The flat path's shardings, optimizer init, jitted step and grads.
 
@@ -110,6 +112,8 @@ def build_flat_step(
         tokens to their experts' ranks and back.
       inner: an element-wise optax transformation (checked here; others raise ConfigError).
       groups: per param a `groups.ParamGroup`, or None.
+      offload: the buckets whose state lives in host memory between steps (`offload.flat_offload`),
+        or None; the step copies them to device memory around the update.
     """
     mesh, plan = fp.plan.mesh, fp.plan
     check_elementwise(inner, plan, groups)
@@ -118,7 +122,8 @@ def build_flat_step(
     dtypes = [t.dtype for t in tensors]
     param_specs = _specs(plan.param_shardings())
     opt_sh = opt_state_shardings(inner, fp)
-    shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
+    host_opt_sh = opt_sh if offload is None else offload.shardings(opt_sh)
+    shardings = TrainState(plan.param_shardings(), host_opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
     reduce_specs = fp.bucket_specs()  # the reduced grads: sharded unless no_shard
     scale = 1.0 / (fp.d * microbatches)  # the dense DP size, for expert grads too (Megatron's)
@@ -256,7 +261,11 @@ def build_flat_step(
 
     def step(state: TrainState, batch):
         (loss, metrics), grads = grads_fn(state.params, batch)
-        params, opt_state, norm = update_fn(state.params, state.opt_state, grads)
+        opt_state = state.opt_state
+        if offload is not None:
+            opt_state, grads = offload.to_device(opt_state, after=grads)
+        params, opt_state, norm = update_fn(state.params, opt_state, grads)
+        opt_state = opt_state if offload is None else offload.to_host(opt_state)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm, **metrics}
 
     replicated = NamedSharding(mesh, P())

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import axes_size
 from jzero.zero import groups as groups_lib
+from jzero.zero.offload import Offload
 from jzero.zero.state import ZeroState, keeps_main_params
 from jzero.zero.strategies import ShardingPlan, TensorPlan, choose_shard_dim
 from jzero.zero.update import clip_by_global_norm, inner_update, model_copy
@@ -114,6 +115,7 @@ def zero_optimizer(
     plan: ShardingPlan,
     clip_grad: float | None = None,
     groups: PyTree | None = None,
+    offload: Offload | None = None,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
 
@@ -122,6 +124,8 @@ def zero_optimizer(
       plan: the run's shardings.
       clip_grad: global-norm clipping threshold applied across shards, None = off.
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
+      offload: the state leaves `step` reads from and writes back to host memory (`offload.py`),
+        or None; they are stepped in device memory.
     """
     shardings = opt_state_shardings(inner, plan)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
@@ -134,6 +138,8 @@ def zero_optimizer(
         return ZeroState(main if keep_main else None, inner_state)
 
     def step(grads, state, params):
+        if offload is not None:
+            state, grads = offload.to_device(state, after=grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads = _constrain(grads, state_sh)  # each rank reads the shard it owns
         grads, norm = clip_by_global_norm(grads, clip_grad)
@@ -143,7 +149,7 @@ def zero_optimizer(
         inner_state = _constrain(inner_state, inner_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
-        return new_params, ZeroState(main if keep_main else None, inner_state), norm
+        new_state = ZeroState(main if keep_main else None, inner_state)
+        return new_params, new_state if offload is None else offload.to_host(new_state), norm
 
     return ZeroOptimizer(init, step)
-
