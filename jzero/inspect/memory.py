@@ -119,7 +119,7 @@ def compiled_bytes(c: CompiledStep) -> dict:
     }
     bound = out["argument"] + out["output"] - out["alias"] + out["temp"]
     # XLA's peak counts every allocation, host memory's too (XLA:GPU: peak = arguments + host
-    # arguments + temp at its peak, LLaMA-2-7B offloaded to the byte): the device's is without them.
+    # arguments + temp at its peak, LLaMA-2-7B offloaded, docs/offload.md): the device's is without them.
     host_resident = out["host_argument"] + out["host_output"] - out["host_alias"]
     out["peak"] = max(out["xla_peak"] - host_resident, bound)
     return out
