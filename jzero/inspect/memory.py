@@ -127,7 +127,7 @@ def compiled_bytes(c: CompiledStep) -> dict:
 
 def analyze(c: CompiledStep, memory_bytes: int | None) -> dict:
     """One strategy's memory document; `memory_bytes` is the device's memory (None on cpu)."""
-    state, host = state_bytes(c), host_state_bytes(c)
+    state, host, offload = state_bytes(c), host_state_bytes(c), c.run.zero.offload
     formula, domains, formula_on_host = formula_split(c.run), formula_domains(c.run), formula_host(c.run)
     compiled = compiled_bytes(c)
     return {
@@ -136,6 +136,8 @@ def analyze(c: CompiledStep, memory_bytes: int | None) -> dict:
         "formula": {**formula, "total": sum(formula.values())},
         "host": {  # of state and formula above: the part in host memory (zero.offload_fraction)
             "fraction": c.cfg.zero.offload_fraction,
+            "units": list(offload.units) if offload.active else [],  # params (spec) or buckets (flat)
+            "elements": offload.offloaded_numel / offload.total_numel if offload.active else 0.0,
             "state": {**host, "total": sum(host.values())},
             "formula": {**formula_on_host, "total": sum(formula_on_host.values())},
         },
@@ -190,6 +192,8 @@ def format_report(doc: dict) -> str:
         if host["state"]["total"]:  # zero.offload_fraction > 0
             label = f"of which in host memory ({host['fraction']:g})"
             lines.append(f"  {label:<28}{human(host['state']['total']):>14}{human(host['formula']['total']):>20}")
+            unit = "buckets" if doc["path"] == "flat" else "params"
+            lines.append(f"    ({len(host['units'])} {unit}, {100 * host['elements']:.1f}% of the elements)")
         hsdp = doc["mesh"].get("dp_outer", 1) > 1
         if len(s["formula_domains"]) > 1 or hsdp:
             for dname, dom in s["formula_domains"].items():  # P_local params per rank, sharded over d or edp
