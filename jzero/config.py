@@ -46,7 +46,21 @@ class ZeroPath(str, enum.Enum):
     FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
 
 
+class ParamGatherDType(str, enum.Enum):
+    """The flat path's param all-gather in one byte per element (ZeRO++ qwZ, Megatron's fp8_param_gather):
+    each rank quantizes its updated shard blockwise, scales absmax/127 or absmax/448 (`zero/quantize.py`)."""
+
+    INT8 = "int8"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+
+
 class DType(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"  # needs dynamic loss scaling (precision.initial_loss_scale, ...)
+
+
+class MomentsDType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
 
@@ -161,6 +175,9 @@ class ZeroConfig:
     pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
     reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
+    # Flat path: all-gather the updated params in this dtype, a scale per 2048-element block of each
+    # rank's shard; the fp32 main params stay exact (kept even for fp32 params). None = param_dtype.
+    param_gather_dtype: ParamGatherDType | None = None
     # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
     # steps, whole params (spec) or buckets (flat) in order (jzero/zero/offload.py); 0 = none.
     offload_fraction: float = 0.0
@@ -168,8 +185,17 @@ class ZeroConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
+    """Megatron's mixed precision: the model copy in `param_dtype`, fp32 main params beside it
+    when that is not fp32. float16 turns on Megatron's dynamic loss scaling (the keys below,
+    `jzero.zero.loss_scale`): a step whose grads hold an inf or nan is skipped and the scale backs off.
+    """
+
     param_dtype: DType = DType.FLOAT32  # the model copy used in forward/backward
     grad_reduce_dtype: DType = DType.FLOAT32  # dtype of the grad buffer and its reduction
+    initial_loss_scale: float = 2.0**32  # float16 only, as the three below
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # finite steps before the scale doubles
+    hysteresis: int = 2  # inf/nan steps before the scale first halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +223,7 @@ class OptimizerConfig:
     param_groups: tuple[ParamGroupRule, ...] = ()  # per-name lr/wd multipliers, applied in order
     clip_grad: float | None = 1.0  # global-norm clipping over all shards; None = off
     warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
+    moments_dtype: MomentsDType = MomentsDType.FLOAT32  # moments stored in it, math in fp32 (Megatron's exp_avg_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,6 +489,21 @@ def _check_optimizer(o: OptimizerConfig) -> None:
     _check_param_groups(o)
 
 
+def _check_precision(p: PrecisionConfig) -> None:
+    if p.grad_reduce_dtype == DType.FLOAT16 and p.param_dtype != DType.FLOAT16:
+        raise ConfigError(
+            f"precision.grad_reduce_dtype=float16 needs precision.param_dtype=float16 (loss scaling), "
+            f"got {p.param_dtype.value}"
+        )
+    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        _positive(f"precision.{key}", getattr(p, key))
+    if p.min_loss_scale > p.initial_loss_scale:
+        raise ConfigError(
+            f"precision.min_loss_scale={p.min_loss_scale} must be <= "
+            f"precision.initial_loss_scale={p.initial_loss_scale}"
+        )
+
+
 def _check_param_groups(o: OptimizerConfig) -> None:
     for i, rule in enumerate(o.param_groups):
         key = f"optimizer.param_groups[{i}]"
@@ -500,6 +542,15 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
 
 
+def _check_param_gather(z: ZeroConfig) -> None:
+    """zero.param_gather_dtype quantizes the flat path's all-gather of the updated shards: it needs that gather."""
+    name = z.param_gather_dtype.value
+    if z.path != ZeroPath.FLAT:
+        raise ConfigError(f"zero.param_gather_dtype={name} needs zero.path=flat (the spec path's gathers are XLA's)")
+    if z.strategy == ShardingStrategy.NO_SHARD:
+        raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
+
+
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
@@ -517,6 +568,7 @@ def validate(cfg: Config) -> None:
     for f in dataclasses.fields(cfg):
         _check_finite(f.name, getattr(cfg, f.name))
     _check_optimizer(o)
+    _check_precision(cfg.precision)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for f in dataclasses.fields(cfg.distributed):
@@ -549,6 +601,8 @@ def validate(cfg: Config) -> None:
     _check_moe(m, mesh)
     if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    if cfg.zero.param_gather_dtype is not None:
+        _check_param_gather(cfg.zero)
     if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and cfg.zero.path == ZeroPath.FLAT:
         raise ConfigError(
             "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "

@@ -71,6 +71,8 @@ def _compile_all(cfg: Config, args, dump: bool) -> dict:
     out = {}
     flat = (args.path or cfg.zero.path.value) == "flat"
     default = FLAT_DEFAULT_STRATEGIES if flat else DEFAULT_STRATEGIES
+    if cfg.zero.param_gather_dtype is not None:  # it quantizes a gather that no_shard does not have
+        default = default.removeprefix("no_shard,")
     for s in _strategies(default if args.strategies is None else args.strategies):
         out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology, dump=dump)
         print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)
@@ -86,7 +88,8 @@ def _write_json(path: str | None, doc: dict) -> None:
 
 def _report(args, module_name: str) -> int:
     """Compiles every strategy, prints the `comms` or `memory` report, writes --json."""
-    cfg = load_config(args.config, args.set)
+    # --path before validation: a key that needs the flat path (zero.param_gather_dtype) may come with it.
+    cfg = load_config(args.config, [*args.set, *([f"zero.path={args.path}"] if args.path else [])])
     from jzero.runtime import start_jax
 
     start_jax(cfg.train.host_devices)

@@ -45,6 +45,11 @@ metric and grad-norm scalars; the flat path's buckets are padded to lcm(d, 128),
 leaves out too. The measured/theory ratio compares the DP traffic only (`hlo.is_dp_traffic`):
 collectives over DP axes but a MoE's all-to-all, which moves tokens (activations) to their
 experts over ep and is reported on its own.
+
+With `zero.param_gather_dtype` (flat path) the params travel as one-byte codes and an fp32 scale
+per `quantize.BLOCK` elements of each rank's shard: the theory's P becomes P_q, (1 + 4 / BLOCK)
+bytes per param, and `param_gather` reports the codes' and scales' measured bytes beside what the
+same elements would move in bf16 and in the param dtype.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from jzero.mesh import BATCH_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size
 from jzero.train import moe
 from jzero.train.model import is_moe_block
 from jzero.train.report import DOMAIN_NAMES
+from jzero.zero import quantize
 from jzero.zero.strategies import restrict, spec_axes
 
 SCHEMA = "jzero.hlo/2"
@@ -125,16 +131,19 @@ def _formula(terms: list[dict]) -> str:
 def theory(c: CompiledStep) -> dict:
     """Theoretical DP wire bytes per device per step for `c`'s strategy (module docstring).
 
-    Returns: {d, microbatches, grad_bytes (G), param_bytes (P), unit_param_bytes (P_unit), formula,
+    Returns: {d, microbatches, grad_bytes (G), param_bytes (P), gather_bytes (what the params'
+    all-gathers carry: P, or P_q with `zero.param_gather_dtype`), unit_param_bytes (P_unit), formula,
     by_kind {kind: bytes}, wire_bytes, domains}: G, P, by_kind and wire_bytes summed over the
     domains, d the dense domain's size; `domains` gives each domain's {axes, d, d_inner, d_outer,
-    grad_bytes, param_bytes, unit_param_bytes, terms, formula, by_kind, wire_bytes} ("dense", and
+    grad_bytes, param_bytes, gather_bytes, unit_param_bytes, terms, formula, by_kind, wire_bytes} ("dense", and
     "expert" for a MoE model), `terms` its collectives per step (`_terms`).
     """
     cfg, plan = c.cfg, c.run.zero.plan
     mesh = plan.mesh
     grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
     param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    quantized = cfg.zero.param_gather_dtype is not None
+    gather_b = 1 + 4 / quantize.BLOCK if quantized else param_b  # bytes per param the all-gathers move
     numel = plan.numel_by_domain()
     unit_numel = {axes: 0 for axes in numel}
     for t in jax.tree.leaves(plan.tensors):
@@ -149,16 +158,19 @@ def theory(c: CompiledStep) -> dict:
         base = "d" if name == "dense" else "edp"
         sym = {"d": base, "d_i": f"{base}_i", "d_o": "d_o", "G": f"G{suffix}", "P": f"P{suffix}",
                "P_unit": f"P_unit{suffix}"}  # fmt: skip
+        if quantized:
+            sym["P"] = f"P_q{suffix}"
         g, p, pu = n * grad_b, n * param_b, unit_numel[axes] * param_b
-        terms = _terms(c, axes, g, p, pu, sym)
+        terms = _terms(c, axes, g, n * gather_b, pu, sym)
         by_kind: dict[str, float] = {}
         for t in terms:
             by_kind[t["kind"]] = by_kind.get(t["kind"], 0.0) + t["wire_bytes"]
         inner = tuple(a for a in axes if a != OUTER_AXIS or not hsdp)
         domains[name] = {"axes": list(axes), "d": axes_size(mesh, axes), "d_inner": axes_size(mesh, inner),
                          "d_outer": mesh.shape[OUTER_AXIS], "grad_bytes": g, "param_bytes": p,
-                         "unit_param_bytes": pu, "terms": terms, "formula": _formula(terms),
-                         "by_kind": by_kind, "wire_bytes": sum(by_kind.values())}  # fmt: skip
+                         "gather_bytes": n * gather_b, "unit_param_bytes": pu, "terms": terms,
+                         "formula": _formula(terms), "by_kind": by_kind,
+                         "wire_bytes": sum(by_kind.values())}  # fmt: skip
     domains = dict(sorted(domains.items()))  # dense before expert
     by_kind = {}
     for dom in domains.values():
@@ -169,6 +181,7 @@ def theory(c: CompiledStep) -> dict:
         "microbatches": cfg.train.microbatches,
         "grad_bytes": sum(dom["grad_bytes"] for dom in domains.values()),
         "param_bytes": sum(dom["param_bytes"] for dom in domains.values()),
+        "gather_bytes": sum(dom["gather_bytes"] for dom in domains.values()),  # P_q when quantized, else P
         "unit_param_bytes": sum(dom["unit_param_bytes"] for dom in domains.values()),
         "formula": " + ".join(dom["formula"] for dom in domains.values()),
         "by_kind": by_kind,
@@ -200,6 +213,34 @@ def tokens_theory(c: CompiledStep) -> dict | None:
     one = hlo.ring_wire_bytes("all-to-all", slot, ep)
     return {"ep": ep, "slot_bytes": slot, "wire_bytes": one, "per_step": per_step,
             "per_step_wire_bytes": per_step * one}  # fmt: skip
+
+
+CODES = ("s8", "u8")  # the quantized gather's codes: int8, and fp8's bytes (`quantize.py`)
+
+
+def param_gather(c: CompiledStep, collectives: list[hlo.Collective], runs: dict[str, int]) -> dict | None:
+    """The quantized param all-gather measured, None without `zero.param_gather_dtype`.
+
+    Per device per step (each DP all-gather x its runs): `codes_wire_bytes` (1 byte per element)
+    and `scales_wire_bytes` (fp32) as the program moves them; `bf16_wire_bytes` and
+    `param_dtype_wire_bytes`, the same elements' codes at 2 and at the param dtype's bytes each,
+    no scales (the unquantized gather of the same buckets); `saving_vs_bf16`, their ratio to the
+    codes and scales.
+    """
+    cfg, mesh = c.cfg, c.run.mesh
+    if cfg.zero.param_gather_dtype is None:
+        return None
+    codes = scales = 0.0
+    for col in collectives:
+        if col.kind == "all-gather" and hlo.is_dp_traffic(col.kind, hlo.axes_of_groups(col.replica_groups, mesh)):
+            codes += runs.get(col.name, 1) * col.wire_bytes_of(CODES)
+            scales += runs.get(col.name, 1) * col.wire_bytes_of(("f32",))
+    wire = codes + scales
+    itemsize = jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    return {"dtype": cfg.zero.param_gather_dtype.value, "block": quantize.BLOCK, "codes_wire_bytes": codes,
+            "scales_wire_bytes": scales, "wire_bytes": wire, "bf16_wire_bytes": 2 * codes,
+            "param_dtype_wire_bytes": itemsize * codes,
+            "saving_vs_bf16": 2 * codes / wire if wire else None}  # fmt: skip
 
 
 def _spans(domains: dict, mesh) -> dict[str, set] | None:
@@ -254,7 +295,7 @@ def _notes(c: CompiledStep, dp_by_kind: dict, step_by_kind: dict, th: dict, rows
     param_dtype = cfg.precision.param_dtype.value
     gathered = {d for r in rows if r["kind"] == "all-gather" and hlo.is_dp_traffic(r["kind"], r["axes"])
                 for d in r["dtypes"]}  # fmt: skip
-    if param_dtype != "float32" and "f32" in gathered:
+    if param_dtype != "float32" and "f32" in gathered and cfg.zero.param_gather_dtype is None:  # else: the scales
         notes.append(
             f"the params are all-gathered in f32, not {param_dtype}: XLA:CPU promotes bf16 collectives to f32 "
             "(ZeRO-3's gathers of the bf16 params too) or gathers the fp32 main params and casts after; XLA:GPU "
@@ -395,6 +436,7 @@ def analyze(c: CompiledStep) -> dict:
         },
         "theory": th,  # per step
         "tokens": tokens,
+        "param_gather": param_gather(c, collectives, runs),  # the quantized gather beside bf16; None if off
         "ratio": dp_step / th["wire_bytes"] if th["wire_bytes"] else None,  # per step, measured / theory
         "notes": _notes(c, dp_by_kind, step_by_kind, th, rows),
         "schedule": schedule,  # what XLA overlaps each collective with
@@ -526,6 +568,15 @@ def format_report(doc: dict) -> str:
                     f"    {name:<7}over {','.join(dom['axes']):<17}measured {measured:>12}, "
                     f"theory {human(dom['wire_bytes'])}"
                 )
+        pg = s.get("param_gather")
+        if pg is not None:
+            prec = doc["config"]["precision"]["param_dtype"]
+            vs = "" if prec == "bfloat16" else f", in {prec} {human(pg['param_dtype_wire_bytes'])}"
+            lines.append(
+                f"  params all-gathered as {pg['dtype']} codes + an fp32 scale per {pg['block']} elements: "
+                f"{human(pg['codes_wire_bytes'])} + {human(pg['scales_wire_bytes'])} per step; the same gather in "
+                f"bfloat16 {human(pg['bf16_wire_bytes'])} ({pg['saving_vs_bf16']:.2f}x the bytes){vs}"
+            )
         tok = s["tokens"]
         if tok is not None:
             m = tok["measured"]

@@ -73,6 +73,7 @@ class Collective:
         collective-permute, its (source, target) pairs.
       name: the instruction's name in the HLO text.
       computation: the computation holding it (the entry, a loop body, an async body).
+      array_dtypes: the element type of each array of `shapes` (a combined collective's apart).
     """
 
     kind: str
@@ -83,11 +84,19 @@ class Collective:
     replica_groups: tuple[tuple[int, ...], ...]
     name: str = ""
     computation: str = ""
+    array_dtypes: tuple[str, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
         """Bytes each device sends for this collective under a ring algorithm."""
         return ring_wire_bytes(self.kind, self.payload_bytes, self.group_size)
+
+    def wire_bytes_of(self, dtypes: Iterable[str]) -> float:
+        """The part of `wire_bytes` carried by its arrays of element type in `dtypes` (e.g. "s8")."""
+        part = sum(_array_bytes(d, dims) for d, dims in zip(self.array_dtypes, self.shapes) if d in set(dtypes))
+        if self.kind == "all-gather":  # the gathered (output) bytes, as `payload_bytes`
+            part *= self.group_size
+        return ring_wire_bytes(self.kind, part, self.group_size)
 
 
 def ring_wire_bytes(kind: str, buffer_bytes: float, n: int) -> float:
@@ -150,6 +159,7 @@ def parse_collectives(hlo_text: str, *, num_devices: int | None = None) -> list[
                     replica_groups=groups,
                     name=name,
                     computation=computation,
+                    array_dtypes=tuple(dtype for dtype, _ in arrays),
                 )
             )
     return out

@@ -4,7 +4,8 @@ The directory is one the run owns (`jzero.train.ckpt_dir`: marker, lock, step na
 folder per saved step, `step_<8 digits>` (the number of steps completed), with two items:
   state/  arrays, per parameter and unflattened (Megatron's `fully_reshardable`):
           params/..., main_params/... (non-fp32 params only), opt_state/<moment>/...,
-          step. Flat-path buckets are converted to this form before saving.
+          grad_scaler/... (fp16's loss scale and trackers), step. Flat-path buckets are
+          converted to this form before saving.
   meta/   JSON: jzero's format, the writer's config and run id, the data position, every
           array's shape, dtype and fingerprint (`jzero.train.integrity`).
 orbax writes each step to a temporary directory and commits it atomically, so a run
@@ -159,6 +160,8 @@ class Checkpointer:
         tree = {"params": state.params, "opt_state": opt.inner_state, "step": state.step}
         if opt.main_params is not None:
             tree["main_params"] = opt.main_params
+        if opt.grad_scaler is not None:
+            tree["grad_scaler"] = opt.grad_scaler
         return to_nested(tree)
 
     def _abstract_model_state(self) -> dict:
@@ -172,6 +175,8 @@ class Checkpointer:
         shard = {"params": sh.params, "opt_state": model_sh.inner_state, "step": sh.step}
         if opt.main_params is not None:
             tree["main_params"], shard["main_params"] = opt.main_params, model_sh.main_params
+        if opt.grad_scaler is not None:
+            tree["grad_scaler"], shard["grad_scaler"] = opt.grad_scaler, model_sh.grad_scaler
         return to_nested(
             jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard)
         )
@@ -263,7 +268,8 @@ class Checkpointer:
         main = from_nested(nested["main_params"], abstract.params) if "main_params" in nested else None
         like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state
         inner = from_nested(nested["opt_state"], like_inner)
-        opt = self._from_model(ZeroState(main, inner))
+        scaler = from_nested(nested["grad_scaler"], abstract.opt_state.grad_scaler) if "grad_scaler" in nested else None
+        opt = self._from_model(ZeroState(main, inner, scaler))
         params = from_nested(nested["params"], abstract.params)
         return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32))
 

@@ -19,12 +19,14 @@ import optax
 from jax.sharding import Mesh
 
 from jzero import multihost
-from jzero.config import Config, OptimizerName, resolve_mesh
+from jzero.config import Config, DType, MomentsDType, OptimizerName, resolve_mesh
 from jzero.errors import Preempted, RunError
 from jzero.mesh import make_mesh
 from jzero.train.data import make_dataset
 from jzero.train.model import GPTModel
 from jzero.zero import Zero, build_zero, groups
+from jzero.zero.loss_scale import DynamicLossScale
+from jzero.zero.moments import store_state_in
 from jzero.zero.state import TrainState
 
 
@@ -44,16 +46,29 @@ def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The element-wise optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
 
     optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
-    weight decay reads each param's `wd_mult`, a last step its `lr_mult`.
+    weight decay reads each param's `wd_mult`, a last step its `lr_mult`; with
+    `optimizer.moments_dtype: bfloat16` its state is stored in bf16 (`zero.moments`).
     """
     o, lr = cfg.optimizer, lr_schedule(cfg)
     if o.name == OptimizerName.ADAMW:
-        return groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-    if o.name == OptimizerName.SGD:
-        direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
+        chain = groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
     else:
-        direction = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
-    return optax.chain(direction, optax.scale_by_learning_rate(lr), groups.scale_by_lr_mult())
+        if o.name == OptimizerName.SGD:
+            direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
+        else:
+            direction = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+        chain = optax.chain(direction, optax.scale_by_learning_rate(lr), groups.scale_by_lr_mult())
+    if o.moments_dtype == MomentsDType.FLOAT32:
+        return chain
+    return store_state_in(chain, jnp.dtype(o.moments_dtype.value))
+
+
+def loss_scaling(cfg: Config) -> DynamicLossScale | None:
+    """Megatron's dynamic loss scaling for float16 params (`precision.*loss_scale*`), else None."""
+    p = cfg.precision
+    if p.param_dtype != DType.FLOAT16:
+        return None
+    return DynamicLossScale(p.initial_loss_scale, p.min_loss_scale, p.loss_scale_window, p.hysteresis)
 
 
 def param_groups(cfg: Config, model: GPTModel, abstract_params) -> Any:
@@ -132,6 +147,7 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
         microbatches=cfg.train.microbatches,
         grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
         has_aux=True,
+        loss_scale=loss_scaling(cfg),
     )
     return Run(cfg, model, zero, make_dataset(cfg) if with_data else None)
 
@@ -229,14 +245,17 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             state, m = step_fn(state, batch)
             m = jax.device_get(m)
             dt = time.perf_counter() - t
+            skipped = bool(m.get("skipped", 0.0))  # fp16: an inf/nan grad skipped the update
+            applied = step - _skipped_before(state, skipped)  # the optimizer steps before this one
             row = {
                 "step": step + 1,
                 "loss": float(m["loss"]),
-                "grad_norm": float(m["grad_norm"]),
-                "lr": float(schedule(step)),
+                "grad_norm": None if skipped else float(m["grad_norm"]),  # inf or nan there
+                "lr": float(schedule(applied)),
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
-                **{k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm")},  # MoE: aux_loss, dropped_frac
+                # MoE: aux_loss, dropped_frac; fp16: loss_scale (the one this step's grads carried), skipped
+                **{k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
             }
             if not np.isfinite(row["loss"]):
                 last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
@@ -246,7 +265,8 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             metrics.append(row)
             bar.update(1)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
-                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}")
+                gnorm = "skipped" if skipped else f"{row['grad_norm']:.3f}"
+                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=gnorm, **_scale_postfix(row))
             stop = preemption.requested()
             due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
             if ckpt is not None and (due or stop):
@@ -256,6 +276,16 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 break
     bar.close()
     return (metrics, state), compile_s
+
+
+def _skipped_before(state: TrainState, skipped_now: bool) -> int:
+    """Steps skipped before the one that produced `state` (fp16 loss scaling; 0 without)."""
+    scaler = state.opt_state.grad_scaler
+    return 0 if scaler is None else int(scaler.skipped) - int(skipped_now)
+
+
+def _scale_postfix(row: dict) -> dict:
+    return {} if "loss_scale" not in row else {"scale": f"{row['loss_scale']:.0f}"}
 
 
 def _metrics_file(out_dir: Path | None, start: int):

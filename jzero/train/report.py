@@ -12,11 +12,12 @@ over edp = dp_outer x dp), with P_local the params one model-parallel rank holds
   grads P_local * grad_bytes (/ d_state under optim_grads and optim_grads_params);
   optimizer state P_local * (main_bytes + moment_bytes) (/ d_state unless no_shard),
   where main_bytes is 4 for non-fp32 params (fp32 master copy), else 0 (Megatron keeps
-  no second copy of fp32 params). d_state = d_params = d without HSDP; with HSDP
-  (dp_outer = d_o > 1) d_params = d_i = d / d_o, the inner axes ZeRO-3's params are split over,
-  and d_state = d_i, or d under `zero.outer_strategy: optim`, which also splits the state and
-  the reduced grads across dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d,
-  the ZeRO paper's stage 3, (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
+  no second copy of fp32 params) but 4 with `zero.param_gather_dtype` (quantized model copy).
+  d_state = d_params = d without HSDP; with HSDP (dp_outer = d_o > 1) d_params = d_i = d / d_o,
+  the inner axes ZeRO-3's params are split over, and d_state = d_i, or d under
+  `zero.outer_strategy: optim`, which also splits the state and the reduced grads across
+  dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d, the ZeRO paper's stage 3,
+  (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
   sum over the domains.
 """
 
@@ -66,7 +67,7 @@ def measured_bytes(run, state) -> dict:
     return {
         "params": per_device_bytes(state.params),
         "grads": shard_bytes(run.zero.grad_buffer_structs(grad_dtype)),
-        "optimizer_state": per_device_bytes(state.opt_state),
+        "optimizer_state": per_device_bytes(state.opt_state[:2]),  # main params, inner state (not the scaler)
     }
 
 
@@ -94,6 +95,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
         **_offload(run, state),
         **_moe(metrics),
+        **_loss_scale(metrics),
     }
 
 
@@ -115,6 +117,14 @@ def _offload(run, state) -> dict:
             "host_bytes": per_device_bytes(host),
         }
     }
+
+
+def _loss_scale(metrics: list[dict]) -> dict:
+    """{"loss_scale": {last, skipped_steps}} for an fp16 run (dynamic loss scaling), else {}."""
+    if "loss_scale" not in metrics[0]:
+        return {}
+    skipped = sum(int(m["skipped"]) for m in metrics)
+    return {"loss_scale": {"last": metrics[-1]["loss_scale"], "skipped_steps": skipped}}
 
 
 def _moe(metrics: list[dict]) -> dict:
@@ -165,6 +175,12 @@ def format_summary(s: dict) -> str:
             f"MoE: load-balancing loss {s['moe']['aux_loss_last']:.4f} at the last step (1 = balanced), "
             f"{100 * s['moe']['dropped_frac_mean']:.2f}% of token copies over capacity (mean over steps)"
         )
+    if "loss_scale" in s:
+        ls = s["loss_scale"]
+        lines.append(
+            f"fp16 loss scaling: {ls['skipped_steps']} of {s['steps']} steps skipped (inf/nan grads), "
+            f"loss scale {ls['last']:.0f} at the last step"
+        )
     rep = s["replicated_tensors"]
     if rep:
         lines.append(f"  left replicated over DP (no divisible dim free of tp): {len(rep)} tensors")
@@ -188,7 +204,9 @@ def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
     cfg, plan = run.cfg, run.zero.plan
     param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
     grad_b = jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
-    main_b = 0 if param_b == 4 else 4
+    # fp32 params keep a master copy only under a quantized gather (the model copy is then not exact); DDP has none.
+    quantized = cfg.zero.param_gather_dtype is not None and not ddp
+    main_b = 0 if param_b == 4 and not quantized else 4
     abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
     inner = jax.eval_shape(run.zero.inner.init, abstract)
     total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))

@@ -23,10 +23,12 @@ from jzero.zero.batch import batch_sharding
 from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat_plan import FlatPlan, make_flat_plan
 from jzero.zero.flat_step import build_flat_step
+from jzero.zero.flat_step import opt_state_shardings as flat_opt_state_shardings
+from jzero.zero.loss_scale import DynamicLossScale
 from jzero.zero.offload import Offload, flat_offload, spec_offload
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
 from jzero.zero.probe import check_groups_read
-from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state, keeps_main_params
+from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
 from jzero.zero.step import build_grads, build_train_step
 from jzero.zero.strategies import ShardingPlan, make_plan
 
@@ -124,6 +126,7 @@ def build_zero(
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
+    loss_scale: DynamicLossScale | None = None,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
@@ -154,11 +157,21 @@ def build_zero(
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
       has_aux: `loss_fn` returns (loss, metrics); the step's metrics then hold each one's
         mean over ranks and microbatches.
+      loss_scale: dynamic loss scaling (fp16 params; `loss_scale.DynamicLossScale`): the step
+        differentiates loss x scale, unscales the reduced grads in fp32, skips the whole update
+        when any is inf/nan, and reports `loss_scale` and `skipped`. None: off.
     """
     plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
-    model_opt_sh = opt_state_shardings(inner, plan)
-    keep_main = keeps_main_params(abstract_params)
+    model_opt_sh = opt_state_shardings(inner, plan, loss_scale)
+    quantized = zero.param_gather_dtype is not None
+    if quantized and (zero.path != ZeroPath.FLAT or not plan.shards_state):
+        raise ConfigError(
+            f"zero.param_gather_dtype={zero.param_gather_dtype.value} quantizes the flat path's all-gather of the "
+            "updated params: it needs zero.path=flat and a strategy other than no_shard"
+        )
+    if quantized and model_opt_sh.main_params is None:  # fp32 params: the model copy is no longer the main params
+        model_opt_sh = model_opt_sh._replace(main_params=plan.state_shardings())
     if zero.path == ZeroPath.FLAT:
         if plan.shards_params:
             raise ConfigError(
@@ -166,16 +179,18 @@ def build_zero(
                 "per-unit buckets yet"
             )
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
-        offload = flat_offload(flat, inner, keep_main, zero.offload_fraction)
+        flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
+        offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
-            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, offload=offload if offload.active else None,
+            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
+            param_gather_dtype=zero.param_gather_dtype, offload=offload if offload.active else None,
         )  # fmt: skip
         return Zero(
             plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh, offload
         )
-    offload = spec_offload(plan, inner, keep_main, zero.offload_fraction)
-    optimizer = zero_optimizer(inner, plan, clip_grad, groups, offload if offload.active else None)
+    offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
+    optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale, offload if offload.active else None)
     shardings = TrainState(plan.param_shardings(), offload.shardings(model_opt_sh), NamedSharding(mesh, P()))
     kwargs = dict(
         microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,

@@ -19,9 +19,10 @@ Every grad, dense and expert, is scaled by 1 / (dense DP size x microbatches), a
 
 The inner optax transformation steps on the owned fp32 shards, with the param groups'
 multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards are cast
-to the param dtype and all_gathered per bucket back into the params. Only element-wise
-transformations mean the same on a shard as on the params: `probe.check_elementwise`
-refuses the others when the step is built.
+to the param dtype and all_gathered per bucket back into the params (with
+`param_gather_dtype`: quantized blockwise to one byte and gathered with their scales,
+`quantize.py`). Only element-wise transformations mean the same on a shard as on the params:
+`probe.check_elementwise` refuses the others when the step is built.
 
 Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
 main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
@@ -30,6 +31,7 @@ main params and every non-scalar optimizer-state leaf one array per bucket, [tp,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,13 +41,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError
+from jzero.config import ConfigError, ParamGatherDType
 from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
+from jzero.zero import loss_scale as scaler
 from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
 from jzero.zero.groups import GroupValues, group_leaves
+from jzero.zero.loss_scale import DynamicLossScale, scaled_loss
 from jzero.zero.offload import Offload
 from jzero.zero.probe import check_elementwise
+from jzero.zero.quantize import gather_quantized
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
 from jzero.zero.strategies import spec_axes
 from jzero.zero.update import clip_coefficient, inner_update, model_copy
@@ -63,9 +68,15 @@ class FlatStep(NamedTuple):
     grads: Callable
 
 
-def opt_state_shardings(inner: optax.GradientTransformation, fp: FlatPlan) -> ZeroState:
+def opt_state_shardings(
+    inner: optax.GradientTransformation,
+    fp: FlatPlan,
+    loss_scale: DynamicLossScale | None = None,
+    quantized: bool = False,
+) -> ZeroState:
     """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
-    scalars replicated."""
+    scalars (and the loss scaler's) replicated. Main params are kept for non-fp32 params, and for any
+    when the gather is `quantized` (the model copy is then not the main params)."""
     mesh = fp.plan.mesh
     bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
     shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
@@ -82,8 +93,10 @@ def opt_state_shardings(inner: optax.GradientTransformation, fp: FlatPlan) -> Ze
         )
 
     inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
-    keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors))
-    return ZeroState(bucket_sh if keep_main else None, inner_sh)
+    keep_main = quantized or keeps_main_params(jax.tree.leaves(fp.plan.tensors))
+    return ZeroState(
+        bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh)
+    )
 
 
 def _specs(shardings: PyTree) -> PyTree:
@@ -100,6 +113,8 @@ def build_flat_step(
     microbatches: int = 1,
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
+    loss_scale: DynamicLossScale | None = None,
+    param_gather_dtype: ParamGatherDType | None = None,
     offload: Offload | None = None,
 ) -> FlatStep:
     """The flat path's shardings, optimizer init, jitted step and grads.
@@ -112,6 +127,9 @@ def build_flat_step(
         tokens to their experts' ranks and back.
       inner: an element-wise optax transformation (checked here; others raise ConfigError).
       groups: per param a `groups.ParamGroup`, or None.
+      loss_scale: fp16's dynamic loss scaling (`loss_scale.py`; `build.build_zero`).
+      param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
+        (`quantize.gather_quantized`) instead of in the param dtype; None: the param dtype.
       offload: the buckets whose state lives in host memory between steps (`offload.flat_offload`),
         or None; the step copies them to device memory around the update.
     """
@@ -121,7 +139,7 @@ def build_flat_step(
     treedef = jax.tree.structure(plan.tensors)
     dtypes = [t.dtype for t in tensors]
     param_specs = _specs(plan.param_shardings())
-    opt_sh = opt_state_shardings(inner, fp)
+    opt_sh = opt_state_shardings(inner, fp, loss_scale, quantized=param_gather_dtype is not None)
     host_opt_sh = opt_sh if offload is None else offload.shardings(opt_sh)
     shardings = TrainState(plan.param_shardings(), host_opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
@@ -157,28 +175,31 @@ def build_flat_step(
             m = jax.lax.all_gather(m, buf.outer_axes, tiled=True)
         return jax.lax.all_gather(m, buf.inner_axes, tiled=True)
 
-    def local_grad_buckets(params, mb):
+    def local_grad_buckets(params, mb, loss_scale):
         # Params are invariant over their DP domain; differentiating them directly would make AD
         # insert the DP all-reduce itself (the transpose of the implicit cast to varying). Casting
         # them to DP-varying first gives this rank's local grads, which the buckets then reduce.
         # (An expert param already varies over ep, its only batch axis outside its DP domain.)
         leaves = [jax.lax.pcast(p, t.dp_axes, to="varying") for p, t in zip(jax.tree.leaves(params), tensors)]
         params = jax.tree.unflatten(treedef, leaves)
-        (loss, metrics), g = jax.value_and_grad(loss_metrics, has_aux=True)(params, mb, **axis_kwargs)
+        (_, (loss, metrics)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
+            params, mb, **axis_kwargs
+        )
         g = [(x.astype(jnp.float32) * scale).astype(grad_reduce_dtype) for x in jax.tree.leaves(g)]
         return (loss, metrics), flatten(fp, g, grad_reduce_dtype)
 
-    def grads_body(params, batch):
-        """Reduced grad buckets: the owned shards [1, S_b/d], full [1, S_b] under DDP."""
+    def grads_body(params, batch, loss_scale=None):
+        """Reduced grad buckets: the owned shards [1, S_b/d], full [1, S_b] under DDP (of the loss
+        times `loss_scale`, if given)."""
         mbs = jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))  # [M, b, ...] this rank's
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
         first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
-        means, acc = local_grad_buckets(params, first)
+        means, acc = local_grad_buckets(params, first, loss_scale)
         if plan.shards_grads:  # reduce-scatter every microbatch: only the owned shard accumulates
             acc = reduce(acc)
 
         def body(acc, mb):
-            means, g = local_grad_buckets(params, mb)
+            means, g = local_grad_buckets(params, mb, loss_scale)
             return [a + x for a, x in zip(acc, reduce(g) if plan.shards_grads else g)], means
 
         if microbatches > 1:
@@ -190,7 +211,7 @@ def build_flat_step(
     grads_fn = jax.shard_map(
         grads_body,
         mesh=mesh,
-        in_specs=(param_specs, P(BATCH_AXES)),
+        in_specs=(param_specs, P(BATCH_AXES), P()),
         out_specs=((P(), P()), reduce_specs),
     )
 
@@ -214,6 +235,11 @@ def build_flat_step(
     def update_body(params, opt_state, grads):
         ranks = bucket_ranks()
         grads = [g[0].astype(jnp.float32) for g in grads]
+        if loss_scale is not None:
+            grads = scaler.unscale(grads, opt_state.grad_scaler.loss_scale)
+            # One flag for the whole step: any inf/nan on any rank (pmax over every mesh axis).
+            local = scaler.found_inf(grads).astype(jnp.int32)
+            skip = jax.lax.pmax(local, tuple(mesh.axis_names)) > 0
         norm = global_norm(grads, ranks)
         if clip_grad is not None:
             coeff = clip_coefficient(norm, clip_grad)
@@ -231,13 +257,22 @@ def build_flat_step(
         inner_state = jax.tree.map(lambda x: x[0] if x.ndim else x, opt_state.inner_state)
         updates, inner_state = inner_update(inner, grads, inner_state, main, values)
         main = optax.apply_updates(main, updates)
-        # All-gather each updated bucket in the param dtype over its DP domain, back into the params.
-        local = model_copy(main, [dtypes[0]] * fp.n_buckets)
-        gathered = [gather(buf, m) for (buf, _), m in zip(fp.buckets, local)]
+        # All-gather each updated bucket in the param dtype (or quantized) over its DP domain, back into the params.
+        if param_gather_dtype is None:
+            local = model_copy(main, [dtypes[0]] * fp.n_buckets)
+            gathered = [gather(buf, m) for (buf, _), m in zip(fp.buckets, local)]
+        else:
+            gathered = [
+                gather_quantized(m, functools.partial(gather, buf), param_gather_dtype, dtypes[0])
+                for (buf, _), m in zip(fp.buckets, main)
+            ]
         new_params = jax.tree.unflatten(treedef, unflatten(fp, gathered, dtypes))
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner_state)
         new_main = [m[None] for m in main] if keep_main else None
-        return new_params, ZeroState(new_main, inner_state), norm
+        new_state = ZeroState(new_main, inner_state)
+        if loss_scale is None:
+            return new_params, new_state, {"grad_norm": norm}
+        return scaler.guard_step(loss_scale, skip, norm, params, opt_state, new_params, new_state)
 
     # check_vma=False: the output params of tp-replicated tensors are identical on every tp
     # rank by construction (their grads were summed over tp above), which vma typing
@@ -255,18 +290,20 @@ def build_flat_step(
         full = flatten(fp, jax.tree.leaves(params), jnp.float32)
         main = [owned(buf, x, r) for (buf, _), x, r in zip(fp.buckets, full, bucket_ranks())]
         inner_state = jax.tree.map(lambda x: x[None] if x.ndim else x, inner.init(main))
-        return ZeroState([m[None] for m in main] if keep_main else None, inner_state)
+        grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
+        return ZeroState([m[None] for m in main] if keep_main else None, inner_state, grad_scaler)
 
     init_opt = jax.shard_map(init_body, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs, check_vma=False)
 
     def step(state: TrainState, batch):
-        (loss, metrics), grads = grads_fn(state.params, batch)
+        grad_scaler = state.opt_state.grad_scaler
+        (loss, metrics), grads = grads_fn(state.params, batch, None if grad_scaler is None else grad_scaler.loss_scale)
         opt_state = state.opt_state
         if offload is not None:
             opt_state, grads = offload.to_device(opt_state, after=grads)
-        params, opt_state, norm = update_fn(state.params, opt_state, grads)
+        params, opt_state, opt_metrics = update_fn(state.params, opt_state, grads)
         opt_state = opt_state if offload is None else offload.to_host(opt_state)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm, **metrics}
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
 
     replicated = NamedSharding(mesh, P())
     step_jit = jax.jit(
@@ -276,7 +313,7 @@ def build_flat_step(
         donate_argnums=0,
     )
     grads_jit = jax.jit(
-        grads_fn,
+        lambda params, batch: grads_fn(params, batch, None),
         in_shardings=(shardings.params, batch_sharding(mesh)),
         out_shardings=((replicated, replicated), [NamedSharding(mesh, spec) for spec in reduce_specs]),
     )

@@ -126,6 +126,13 @@ class Offload:
         return jax.tree.map(lambda x, host: jax.device_put(x, space) if host else x, state, self.mask)
 
 
+def _mask(shardings: ZeroState, main: PyTree, inner: PyTree) -> ZeroState:
+    """A ZeroState of bools shaped like `shardings`: `main` for the main params (if kept), `inner` for
+    the inner state, False elsewhere (the loss scaler)."""
+    mask = jax.tree.map(lambda _: False, shardings)
+    return mask._replace(main_params=None if shardings.main_params is None else main, inner_state=inner)
+
+
 def _offload(fraction: float, names: list[str], numels: list[int], mask_of, params_of) -> Offload:
     chosen = choose(numels, fraction)
     return Offload(
@@ -138,9 +145,13 @@ def _offload(fraction: float, names: list[str], numels: list[int], mask_of, para
     )
 
 
-def spec_offload(plan: ShardingPlan, inner: optax.GradientTransformation, keep_main: bool, fraction: float) -> Offload:
+def spec_offload(
+    plan: ShardingPlan, inner: optax.GradientTransformation, shardings: ZeroState, fraction: float
+) -> Offload:
     """The spec path's `Offload`: whole parameters, in leaves order (module docstring).
 
+    Arguments:
+      shardings: the ZeroState's shardings without offload (`optimizer.opt_state_shardings`).
     A state leaf belongs to the param whose key path its own ends with (`ShardingPlan.param_of`);
     it is offloaded with that param unless it is a scalar.
     """
@@ -157,13 +168,14 @@ def spec_offload(plan: ShardingPlan, inner: optax.GradientTransformation, keep_m
             return bool(leaf.shape) and plan.param_of(tuple(path)) in host
 
         main = jax.tree.unflatten(jax.tree.structure(plan.tensors), chosen)
-        return ZeroState(main if keep_main else None, jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
+        return _mask(shardings, main, jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
 
     return _offload(fraction, names, numels, mask_of, lambda u: (u,))
 
 
-def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, keep_main: bool, fraction: float) -> Offload:
-    """The flat path's `Offload`: whole buckets, in bucket order (module docstring).
+def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, shardings: ZeroState, fraction: float) -> Offload:
+    """The flat path's `Offload`: whole buckets, in bucket order (module docstring); `shardings`: the
+    ZeroState's without offload (`flat_step.opt_state_shardings`).
 
     A bucket's size is the elements one device steps (`FlatPlan.shard_size`). A state leaf belongs
     to bucket b if it sits at index b of a per-bucket list (the flat path's layout,
@@ -179,8 +191,7 @@ def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, keep_main: b
             b = getattr(path[-1], "idx", None) if path else None
             return bool(leaf.shape) and b is not None and b < len(chosen) and chosen[b]
 
-        inner_mask = jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner)
-        return ZeroState(list(chosen) if keep_main else None, inner_mask)
+        return _mask(shardings, list(chosen), jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
 
     def params_of(b):
         buf, local = fp.buckets[b]

@@ -28,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import axes_size
 from jzero.zero import groups as groups_lib
+from jzero.zero import loss_scale as scaler
+from jzero.zero.loss_scale import DynamicLossScale
 from jzero.zero.offload import Offload
 from jzero.zero.state import ZeroState, keeps_main_params
 from jzero.zero.strategies import ShardingPlan, TensorPlan, choose_shard_dim
@@ -40,7 +42,9 @@ class ZeroOptimizer(NamedTuple):
     """A pair of pure functions, like `optax.GradientTransformation`.
 
     init(params) -> ZeroState
-    step(grads, state, params) -> (new_params, new_state, grad_norm)
+    step(grads, state, params) -> (new_params, new_state, metrics): metrics {"grad_norm"} (the norm
+      before clipping), and with loss scaling {"loss_scale" (the scale the grads carried),
+      "skipped" (1.0 if an inf/nan skipped the step, else 0.0)}
 
     `step` returns new params rather than optax's additive updates: with fp32 main
     params the model copy is a cast of the main copy (Megatron's
@@ -49,7 +53,7 @@ class ZeroOptimizer(NamedTuple):
     """
 
     init: Callable[[PyTree], ZeroState]
-    step: Callable[[PyTree, ZeroState, PyTree], tuple[PyTree, ZeroState, jax.Array]]
+    step: Callable[[PyTree, ZeroState, PyTree], tuple[PyTree, ZeroState, dict]]
 
 
 def _abstract_main(plan: ShardingPlan) -> PyTree:
@@ -85,10 +89,16 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
     return jax.tree_util.tree_map_with_path(sharding, abstract)
 
 
-def opt_state_shardings(inner: optax.GradientTransformation, plan: ShardingPlan) -> ZeroState:
+def opt_state_shardings(
+    inner: optax.GradientTransformation, plan: ShardingPlan, loss_scale: DynamicLossScale | None = None
+) -> ZeroState:
     """The NamedShardings of the spec path's `ZeroState` (also the model-space layout of checkpoints)."""
     keep_main = keeps_main_params(jax.tree.leaves(plan.tensors))
-    return ZeroState(plan.state_shardings() if keep_main else None, inner_state_shardings(inner, plan))
+    return ZeroState(
+        plan.state_shardings() if keep_main else None,
+        inner_state_shardings(inner, plan),
+        None if loss_scale is None else scaler.shardings(plan.mesh),
+    )
 
 
 def _constrain(tree: PyTree, shardings: PyTree) -> PyTree:
@@ -115,6 +125,7 @@ def zero_optimizer(
     plan: ShardingPlan,
     clip_grad: float | None = None,
     groups: PyTree | None = None,
+    loss_scale: DynamicLossScale | None = None,
     offload: Offload | None = None,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
@@ -124,10 +135,12 @@ def zero_optimizer(
       plan: the run's shardings.
       clip_grad: global-norm clipping threshold applied across shards, None = off.
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
+      loss_scale: fp16's dynamic loss scaling (`loss_scale.py`): the grads arrive multiplied by
+        the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
       offload: the state leaves `step` reads from and writes back to host memory (`offload.py`),
         or None; they are stepped in device memory.
     """
-    shardings = opt_state_shardings(inner, plan)
+    shardings = opt_state_shardings(inner, plan, loss_scale)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
     keep_main = shardings.main_params is not None
     values = None if groups is None else groups_lib.per_param_values(groups)
@@ -135,13 +148,17 @@ def zero_optimizer(
     def init(params):
         main = _constrain(jax.tree.map(lambda p: p.astype(jnp.float32), params), state_sh)
         inner_state = _constrain(inner.init(main), inner_sh)
-        return ZeroState(main if keep_main else None, inner_state)
+        grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
+        return ZeroState(main if keep_main else None, inner_state, grad_scaler)
 
     def step(grads, state, params):
         if offload is not None:
             state, grads = offload.to_device(state, after=grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads = _constrain(grads, state_sh)  # each rank reads the shard it owns
+        if loss_scale is not None:
+            grads = scaler.unscale(grads, state.grad_scaler.loss_scale)
+            skip = scaler.found_inf(grads)
         grads, norm = clip_by_global_norm(grads, clip_grad)
         main = state.main_params if keep_main else _constrain(params, state_sh)
         updates, inner_state = inner_update(inner, grads, state.inner_state, main, values)
@@ -150,6 +167,10 @@ def zero_optimizer(
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, inner_state)
-        return new_params, new_state if offload is None else offload.to_host(new_state), norm
+        metrics = {"grad_norm": norm}
+        if loss_scale is not None:
+            guarded = scaler.guard_step(loss_scale, skip, norm, params, state, new_params, new_state)
+            new_params, new_state, metrics = guarded
+        return new_params, new_state if offload is None else offload.to_host(new_state), metrics
 
     return ZeroOptimizer(init, step)

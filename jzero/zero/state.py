@@ -23,10 +23,13 @@ class ZeroState(NamedTuple):
     main_params: fp32 master copy, or None when the model params are fp32 (then, as in
       Megatron, the model params are the main params and no second copy is kept).
     inner_state: the wrapped optax transformation's state.
+    grad_scaler: fp16's dynamic loss scale (`loss_scale.LossScaleState`, replicated scalars),
+      None without loss scaling.
     """
 
     main_params: PyTree | None
     inner_state: optax.OptState
+    grad_scaler: Any = None
 
 
 class TrainState(NamedTuple):

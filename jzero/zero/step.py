@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
 from jzero.zero.batch import batch_sharding, split_batch
+from jzero.zero.loss_scale import scaled_loss
 from jzero.zero.optimizer import ZeroOptimizer
 from jzero.zero.state import LossFn, TrainState, with_metrics
 from jzero.zero.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
@@ -76,37 +77,39 @@ def _tp_only(plan: ShardingPlan, t: TensorPlan) -> tuple | None:
     return entries
 
 
-def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs):
+def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs, loss_scale):
     """ZeRO-2/3 (module docstring): (losses [M, n_dp], metrics, grads summed over the microbatches,
     each grad the rank's shard of the DP-reduced grad, in `plan.grad_shardings()`)."""
     mesh = plan.mesh
     grad_sh = plan.grad_shardings()
     sink_specs = jax.tree.map(lambda t: restrict(t.zero_spec, BATCH_AXES), plan.tensors)
 
-    def rank_grads(params, sinks, mb):  # one rank: [1, b, ...] rows -> [1] loss, metrics; its grad shards
+    def rank_grads(params, sinks, mb, loss_scale):  # one rank: [1, b, ...] rows -> [1] loss, metrics; grad shards
         def loss_of(sinks):
             def wrap(p, sink, h, t):
                 x = UnitParam(p, sink, h)
                 return x if t.unit_dims is not None else materialize(x)  # not in a unit: now, for the whole loss
 
             wrapped = jax.tree.map(wrap, params, sinks, hooks, plan.tensors)
-            return loss_metrics(wrapped, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
+            return scaled_loss(loss_metrics, loss_scale)(wrapped, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
 
-        (loss, metrics), g = jax.value_and_grad(loss_of, has_aux=True)(sinks)
+        (_, (loss, metrics)), g = jax.value_and_grad(loss_of, has_aux=True)(sinks)
         return loss[None], jax.tree.map(lambda m: m[None], metrics), g
 
     stacked = P(BATCH_AXES)
     fn = jax.shard_map(
         rank_grads,
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda t: restrict(plan.param_spec(t), BATCH_AXES), plan.tensors), sink_specs, stacked),
+        in_specs=(
+            jax.tree.map(lambda t: restrict(plan.param_spec(t), BATCH_AXES), plan.tensors), sink_specs, stacked, P()
+        ),
         out_specs=(stacked, stacked, sink_specs),
         axis_names=set(BATCH_AXES),
     )
     sinks = jax.tree.map(lambda t, s: _zeros(t.shape, reduce_dtype, s), plan.tensors, grad_sh)
 
     def body(acc, mb):
-        loss, metrics, g = fn(params, sinks, mb)
+        loss, metrics, g = fn(params, sinks, mb, loss_scale)
         g = jax.tree.map(jax.lax.with_sharding_constraint, g, grad_sh)
         return (g if acc is None else jax.tree.map(jnp.add, acc, g)), (loss, metrics)
 
@@ -126,6 +129,7 @@ def reduced_grads(
     reduce_dtype: jnp.dtype,
     has_aux: bool = False,
     reshard_after_forward: bool = True,
+    loss_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, dict, PyTree]:
     """Mean loss, mean metrics and the data-parallel mean of the gradients, in `plan.grad_shardings()`.
 
@@ -135,6 +139,8 @@ def reduced_grads(
 
     Args:
       batch: leaves `[B, ...]`, B split over the dense DP domain.
+      loss_scale: fp16's loss scale (a scalar): the grads are those of loss x loss_scale
+        (`loss_scale.py`); the loss and metrics returned are not scaled. None: no scaling.
     Returns:
       (loss, metrics, grads): grads in `reduce_dtype`, sharded like `plan.grad_shardings()`.
     """
@@ -153,13 +159,13 @@ def reduced_grads(
 
     if plan.shards_grads:
         hooks = unit_hooks(plan, scale, reduce_dtype, reshard_after_forward)
-        losses, metrics, g = _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs)
+        losses, metrics, g = _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs, loss_scale)
         return *means(losses, metrics), g
 
-    def rank_grads(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and metrics, [1, *shape] grads
+    def rank_grads(params, mb, loss_scale):  # one rank's [1, b, ...] rows -> [1] loss and metrics, [1, *shape] grads
         # DP-varying, so autodiff gives local grads (an expert param already varies over ep).
         params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying") if axes else p, params, invariant)
-        (loss, metrics), g = jax.value_and_grad(loss_metrics, has_aux=True)(
+        (_, (loss, metrics)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
             params, jax.tree.map(lambda x: x[0], mb), **ep_kwargs
         )
         g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype)[None], g)
@@ -174,14 +180,14 @@ def reduced_grads(
     local_grads_fn = jax.shard_map(
         rank_grads,
         mesh=mesh,
-        in_specs=(param_specs, stacked),
+        in_specs=(param_specs, stacked, P()),
         out_specs=(stacked, stacked, jax.tree.map(lambda t: restrict(t.local_grad_spec, BATCH_AXES), plan.tensors)),
         axis_names=set(BATCH_AXES),
     )
 
     def local_grads(mb):
         """[n_dp, ...] per-rank losses, metrics and grads of one microbatch, one slice per rank."""
-        loss, metrics, g = local_grads_fn(params, mb)
+        loss, metrics, g = local_grads_fn(params, mb, loss_scale)
         return loss, metrics, jax.tree.map(jax.lax.with_sharding_constraint, g, local_sh)
 
     def reduce(g):  # the DP collective: sum over ranks into the strategy's grad sharding
@@ -236,15 +242,18 @@ def build_train_step(
       reshard_after_forward: ZeRO-3: gather each unit's params again for its backward.
     Returns:
       step; `batch` leaves are `[B, ...]` split over the dense DP domain; the state is
-      donated. metrics: {"loss", "grad_norm"} (the norm before clipping) and the loss's own.
+      donated. metrics: {"loss", "grad_norm"} (the norm before clipping), with loss scaling
+      {"loss_scale", "skipped"} (`ZeroOptimizer`), and the loss's own.
     """
 
     def step(state: TrainState, batch: PyTree):
+        scaler = state.opt_state.grad_scaler
         loss, metrics, grads = reduced_grads(
-            loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype, has_aux, reshard_after_forward
-        )
-        params, opt_state, norm = optimizer.step(grads, state.opt_state, state.params)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": norm, **metrics}
+            loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype, has_aux, reshard_after_forward,
+            loss_scale=None if scaler is None else scaler.loss_scale,
+        )  # fmt: skip
+        params, opt_state, opt_metrics = optimizer.step(grads, state.opt_state, state.params)
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
 
     replicated = NamedSharding(plan.mesh, P())
     return jax.jit(
