@@ -1,4 +1,4 @@
-"""`jzero` command line: train, layout, hlo, memory, ckpt.
+"""`jzero` command line: train, layout, hlo, memory, ckpt, data.
 
 JAX is imported only after the config is read, so `train.host_devices` can set the
 number of simulated CPU devices before the backend starts.
@@ -96,6 +96,19 @@ def _cmd_ckpt_info(args) -> int:
     return 0
 
 
+def _cmd_data_prepare(args) -> int:
+    from jzero.train.prepare import prepare
+
+    r = prepare(args.src, args.out_prefix, args.tokenizer)
+    print(
+        f"wrote {r['documents']} documents, {r['tokens']} tokens ({r['dtype']}, vocabulary {r['vocab_size']}) "
+        f"to {r['prefix']}.bin + {r['prefix']}.idx\n"
+        f"train on it: jzero train --set data.kind=indexed --set data.path={r['prefix']} "
+        f"--set model.vocab_size={r['vocab_size']}"
+    )
+    return 0
+
+
 def _cmd_layout(args) -> int:
     import dataclasses
     import json
@@ -156,6 +169,19 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("dir")
     info.add_argument("--verify", action="store_true", help="read every array and check it against its fingerprint")
     info.set_defaults(fn=_cmd_ckpt_info)
+
+    data = sub.add_parser("data", help="training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser(
+        "prepare", help="text files -> Megatron's indexed dataset (OUT_PREFIX.bin/.idx), as preprocess_data.py writes"
+    )
+    prep.add_argument("src", metavar="SRC_DIR", help="directory of *.py, *.txt, *.md files: one document each")
+    prep.add_argument("out_prefix", metavar="OUT_PREFIX", help="writes OUT_PREFIX.bin and OUT_PREFIX.idx")
+    prep.add_argument(
+        "--tokenizer", metavar="TOKENIZER_JSON",
+        help="a Hugging Face tokenizers file (pip install 'jzero[data]'); default: byte tokens, vocabulary 256",
+    )  # fmt: skip
+    prep.set_defaults(fn=_cmd_data_prepare)
 
     lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
     with_config(lay)

@@ -74,6 +74,15 @@ class OptimizerName(str, enum.Enum):
 class DataKind(str, enum.Enum):
     SYNTHETIC = "synthetic"  # seeded Markov-chain tokens
     TEXT = "text"  # byte-level tokens from a directory of text files
+    INDEXED = "indexed"  # Megatron's indexed dataset, PREFIX.bin + PREFIX.idx (tools/preprocess_data.py)
+    TOKENS = "tokens"  # a flat binary of token ids (nanoGPT's train.bin / val.bin)
+
+
+class TokenDType(str, enum.Enum):
+    """The token ids' type in a `data.kind: tokens` file (an indexed dataset's index says its own)."""
+
+    UINT16 = "uint16"  # nanoGPT's (vocabularies up to 65536)
+    UINT32 = "uint32"
 
 
 class MlpKind(str, enum.Enum):
@@ -234,12 +243,27 @@ class TrainConfig:
     seed: int = 0  # init and data order
     log_every: int = 10  # progress-bar refresh interval in steps
     host_devices: int = 8  # simulated CPU devices (ignored on GPU)
+    # Validation (Megatron's --eval-interval 1000, --eval-iters 100, scaled to short runs): every
+    # eval_every steps and at the last, the mean loss over eval_batches fixed global batches of the
+    # validation data (`data.val_path` or `data.val_fraction`); 0 = never. Synthetic data has none.
+    eval_every: int = 50
+    eval_batches: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """Where the tokens come from (docs/data.md): sequences of `model.seq_len + 1` tokens at offsets
+    drawn from (`train.seed`, step), so a resumed run sees the same batches."""
+
     kind: DataKind = DataKind.TEXT
-    path: str | None = None  # text: directory of files; None = the Python stdlib's .py files
+    # text: a directory (None = the Python stdlib's .py files); indexed: the PREFIX of PREFIX.bin/.idx;
+    # tokens: the file (nanoGPT's train.bin)
+    path: str | None = None
+    dtype: TokenDType = TokenDType.UINT16  # kind tokens: the ids' type
+    val_path: str | None = None  # validation data of the same kind (nanoGPT's val.bin); None = held out of path
+    # Without val_path: the last fraction of path's tokens (at the document boundary nearest to it for
+    # indexed data) is validation data, never trained on; Megatron's default split 969,30,1 holds out 3%.
+    val_fraction: float = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,6 +575,22 @@ def _check_param_gather(z: ZeroConfig) -> None:
         raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
 
 
+def _check_data(cfg: Config) -> None:
+    d, t = cfg.data, cfg.train
+    if d.kind == DataKind.TEXT and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    if d.kind in (DataKind.INDEXED, DataKind.TOKENS) and d.path is None:
+        what = "the PREFIX of PREFIX.bin/.idx" if d.kind == DataKind.INDEXED else "a file of token ids"
+        raise ConfigError(f"data.kind={d.kind.value} needs data.path: {what}")
+    if d.kind == DataKind.SYNTHETIC and d.val_path is not None:
+        raise ConfigError("data.val_path: data.kind=synthetic has no validation data (every batch is new)")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 = no validation)")
+    _positive("train.eval_batches", t.eval_batches)
+
+
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
@@ -599,8 +639,7 @@ def validate(cfg: Config) -> None:
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
         )
     _check_moe(m, mesh)
-    if cfg.data.kind == DataKind.TEXT and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    _check_data(cfg)
     if cfg.zero.param_gather_dtype is not None:
         _check_param_gather(cfg.zero)
     if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and cfg.zero.path == ZeroPath.FLAT:

@@ -40,6 +40,12 @@ def test_overrides_are_typed():
         (["zero.strategy=optim_grads_params", "zero.path=flat"], "runs on zero.path=spec only"),
         (["data.kind=text", "model.vocab_size=100"], "model.vocab_size=100 must be >= 256"),
         (["data.path=/nonexistent/dir"], "data.path='/nonexistent/dir' is not a directory"),
+        (["data.kind=indexed"], "data.kind=indexed needs data.path"),
+        (["data.kind=indexed", "data.path=/no/corpus"], "/no/corpus.idx does not exist"),
+        (["data.kind=indexed", f"data.path={ROOT}/tests/data/megatron_uint16"], "holds token id 65535 but model.vocab"),
+        (["data.kind=tokens", "data.path=/no/train.bin"], "data.path='/no/train.bin' does not exist"),
+        (["data.val_fraction=1"], "data.val_fraction=1.0 must be in [0, 1)"),
+        (["train.eval_every=-1"], "train.eval_every=-1 must be >= 0"),
         (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
         (["optimizer.param_groups=[{pattern: '('}]"], "optimizer.param_groups[0].pattern='(' is not a regular"),
         (["optimizer.param_groups=[{lr_mult: 2}]"], "optimizer.param_groups[0].pattern is required"),
@@ -83,11 +89,14 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"} <= set(r)
+    assert [r["step"] for r in rows if "val_loss" in r] == [4]  # the default text's held-out 3%, at the last step
     summary = json.loads((tmp_path / "summary.json").read_text())
     b = summary["bytes_per_device"]
     assert b["measured"]["optimizer_state"] < b["ddp"]["optimizer_state"]
+    assert (summary["val_loss_last"], summary["val_loss_step"]) == (rows[-1]["val_loss"], 4)
     out = capsys.readouterr().out
     assert "per-device memory" in out and "Megatron formula" in out
+    assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
 
 
 def test_moe_one_liner_reports_its_routing(tmp_path, capsys):

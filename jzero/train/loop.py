@@ -22,7 +22,7 @@ from jzero import multihost
 from jzero.config import Config, DType, MomentsDType, OptimizerName, resolve_mesh
 from jzero.errors import Preempted, RunError
 from jzero.mesh import make_mesh
-from jzero.train.data import make_dataset
+from jzero.train.data import make_datasets
 from jzero.train.model import GPTModel
 from jzero.zero import Zero, build_zero, groups
 from jzero.zero.loss_scale import DynamicLossScale
@@ -91,8 +91,9 @@ class Run:
 
     cfg: Config
     model: GPTModel
-    zero: Zero  # plan, shardings, init, step, grads: built once by jzero.zero.build_zero
+    zero: Zero  # plan, shardings, init, step, grads, evaluate: built once by jzero.zero.build_zero
     dataset: Any
+    val_dataset: Any = None  # validation data (`data.val_path` / `data.val_fraction`), None if none
 
     @property
     def mesh(self) -> Mesh:
@@ -101,24 +102,43 @@ class Run:
     def init_state(self) -> TrainState:
         return self.zero.init_state(self.model.init)
 
-    def device_batch(self, step: int) -> jax.Array:
-        """The global batch of `step`, int32 `[B, seq_len + 1]` with B split over the dense DP
-        domain (`batch_sharding`).
+    def device_batch(self, step: int, dataset: Any = None) -> jax.Array:
+        """The global batch of `step` of `dataset` (default: the training data), int32 `[B, seq_len + 1]`
+        with B split over the dense DP domain (`batch_sharding`).
 
         Each process reads from the dataset only the rows its own devices hold, so no process
         materialises the whole global batch; a row is a pure function of (seed, step, row), so
         every process's rows belong to the same global batch.
         """
-        shape = self.dataset.shape
+        dataset = self.dataset if dataset is None else dataset
+        shape = dataset.shape
         rows: dict[tuple[int, int], np.ndarray] = {}  # tp replicas hold the same rows: read them once
 
         def shard(index: tuple[slice, ...]) -> np.ndarray:
             start, stop, _ = index[0].indices(shape[0])
             if (start, stop) not in rows:
-                rows[start, stop] = self.dataset.rows(step, start, stop)
+                rows[start, stop] = dataset.rows(step, start, stop)
             return rows[start, stop][(slice(None), *index[1:])]
 
         return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
+
+    def evaluate(self, params) -> dict[str, float]:
+        """The validation loss (and the loss's metrics): the mean over `train.eval_batches` global batches
+        of the validation data, batch i its "step" i, so every evaluation reads the same rows.
+
+        Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings.
+        """
+        n = self.cfg.train.eval_batches
+        total = None
+        for i in range(n):
+            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset))
+            total = m if total is None else jax.tree.map(jnp.add, total, m)
+        return {k: float(v) / n for k, v in jax.device_get(total).items()}
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the loop evaluates after `step` steps: every `train.eval_every` and at the last."""
+        every, last = self.cfg.train.eval_every, self.cfg.train.steps
+        return self.val_dataset is not None and every > 0 and (step % every == 0 or step == last)
 
 
 def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
@@ -149,7 +169,8 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
         has_aux=True,
         loss_scale=loss_scaling(cfg),
     )
-    return Run(cfg, model, zero, make_dataset(cfg) if with_data else None)
+    dataset, val_dataset = make_datasets(cfg) if with_data else (None, None)
+    return Run(cfg, model, zero, dataset, val_dataset)
 
 
 def train(
@@ -236,6 +257,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     schedule = lr_schedule(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     metrics = []
+    val_loss = None  # the last validation loss, for the progress bar
     bar = _progress(cfg.train.steps, progress and out_dir is not None)
     bar.update(start)
     with _metrics_file(out_dir, start) as f:
@@ -260,13 +282,16 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             if not np.isfinite(row["loss"]):
                 last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
                 raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
+            if run.evaluates_at(step + 1):
+                row["val_loss"] = val_loss = run.evaluate(state.params)["loss"]
             f.write(json.dumps(row) + "\n")
             f.flush()
             metrics.append(row)
             bar.update(1)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
                 gnorm = "skipped" if skipped else f"{row['grad_norm']:.3f}"
-                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=gnorm, **_scale_postfix(row))
+                val = {} if val_loss is None else {"val": f"{val_loss:.4f}"}
+                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=gnorm, **_scale_postfix(row), **val)
             stop = preemption.requested()
             due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
             if ckpt is not None and (due or stop):

@@ -93,6 +93,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
             "ddp": formula_bytes(run, ddp=True),
         },
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
+        **_validation(metrics),
         **_offload(run, state),
         **_moe(metrics),
         **_loss_scale(metrics),
@@ -127,6 +128,14 @@ def _loss_scale(metrics: list[dict]) -> dict:
     return {"loss_scale": {"last": metrics[-1]["loss_scale"], "skipped_steps": skipped}}
 
 
+def _validation(metrics: list[dict]) -> dict:
+    """{"val_loss_last", "val_loss_step"}: the last validation loss of the run and its step, or {}."""
+    evaluated = [m for m in metrics if "val_loss" in m]
+    if not evaluated:
+        return {}
+    return {"val_loss_last": evaluated[-1]["val_loss"], "val_loss_step": evaluated[-1]["step"]}
+
+
 def _moe(metrics: list[dict]) -> dict:
     """{"moe": {aux_loss_last, dropped_frac_mean}} for a MoE model's run, else {}."""
     if "dropped_frac" not in metrics[0]:
@@ -154,6 +163,7 @@ def format_summary(s: dict) -> str:
         f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} over {s['steps']} steps "
         f"({s['mean_step_time_s'] * 1e3:.1f} ms/step, {s['tokens_per_s']:.0f} tokens/s, "
         f"compile {s['compile_s']:.1f} s)",
+        f"validation loss {s['val_loss_last']:.4f} at step {s['val_loss_step']}" if "val_loss_last" in s else "",
         f"per-device memory, strategy={s['strategy']} path={s['path']} mesh: {mesh} on {on}",
         f"  {'':18}{'measured':>14}{'Megatron formula':>20}{'DDP':>14}",
     ]

@@ -29,7 +29,7 @@ from jzero.zero.offload import Offload, flat_offload, spec_offload
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
 from jzero.zero.probe import check_groups_read
 from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
-from jzero.zero.step import build_grads, build_train_step
+from jzero.zero.step import build_evaluate, build_grads, build_train_step
 from jzero.zero.strategies import ShardingPlan, make_plan
 
 PyTree = Any
@@ -54,6 +54,9 @@ class Zero:
         [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard).
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout, all in device memory), where `to_model_space` puts it.
+      evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
+        computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
+        the same params and batch it is the step's "loss".
       offload: which optimizer-state leaves live in host memory (`offload.py`; their
         `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
     """
@@ -67,6 +70,7 @@ class Zero:
     step: Callable
     grads: Callable
     model_opt_shardings: ZeroState
+    evaluate: Callable
     offload: Offload
 
     @property
@@ -187,8 +191,9 @@ def build_zero(
             param_gather_dtype=zero.param_gather_dtype, offload=offload if offload.active else None,
         )  # fmt: skip
         return Zero(
-            plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh, offload
-        )
+            plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh,
+            built.evaluate, offload,
+        )  # fmt: skip
     offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
     optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale, offload if offload.active else None)
     shardings = TrainState(plan.param_shardings(), offload.shardings(model_opt_sh), NamedSharding(mesh, P()))
@@ -198,4 +203,5 @@ def build_zero(
     )  # fmt: skip
     step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
     grads = build_grads(loss_fn, plan, **kwargs)
-    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, offload)
+    evaluate = build_evaluate(loss_fn, plan, **kwargs)
+    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, evaluate, offload)

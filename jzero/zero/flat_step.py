@@ -60,12 +60,14 @@ PyTree = Any
 
 class FlatStep(NamedTuple):
     """shardings: the TrainState's NamedShardings; init_opt(params) -> ZeroState (call under jit);
-    step(state, batch) -> (state, metrics); grads(params, batch) -> reduced grad buckets."""
+    step(state, batch) -> (state, metrics); grads(params, batch) -> reduced grad buckets;
+    evaluate(params, batch) -> {"loss", **metrics}, the step's forward without grads."""
 
     shardings: TrainState
     init_opt: Callable
     step: Callable
     grads: Callable
+    evaluate: Callable
 
 
 def opt_state_shardings(
@@ -188,10 +190,13 @@ def build_flat_step(
         g = [(x.astype(jnp.float32) * scale).astype(grad_reduce_dtype) for x in jax.tree.leaves(g)]
         return (loss, metrics), flatten(fp, g, grad_reduce_dtype)
 
+    def rank_microbatches(batch):  # this rank's rows -> its microbatches [M, b, ...]
+        return jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))
+
     def grads_body(params, batch, loss_scale=None):
         """Reduced grad buckets: the owned shards [1, S_b/d], full [1, S_b] under DDP (of the loss
         times `loss_scale`, if given)."""
-        mbs = jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, microbatches))  # [M, b, ...] this rank's
+        mbs = rank_microbatches(batch)
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
         first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
         means, acc = local_grad_buckets(params, first, loss_scale)
@@ -317,4 +322,12 @@ def build_flat_step(
         in_shardings=(shardings.params, batch_sharding(mesh)),
         out_shardings=((replicated, replicated), [NamedSharding(mesh, spec) for spec in reduce_specs]),
     )
-    return FlatStep(shardings, init_opt, step_jit, lambda params, batch: grads_jit(params, batch)[1])
+
+    def eval_body(params, batch):
+        """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP."""
+        loss, metrics = jax.lax.map(lambda mb: loss_metrics(params, mb, **axis_kwargs), rank_microbatches(batch))
+        return jax.lax.pmean({"loss": jnp.mean(loss), **jax.tree.map(jnp.mean, metrics)}, BATCH_AXES)
+
+    eval_fn = jax.shard_map(eval_body, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES)), out_specs=P())
+    eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sharding(mesh)), out_shardings=replicated)
+    return FlatStep(shardings, init_opt, step_jit, lambda params, batch: grads_jit(params, batch)[1], eval_jit)

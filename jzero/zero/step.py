@@ -77,6 +77,17 @@ def _tp_only(plan: ShardingPlan, t: TensorPlan) -> tuple | None:
     return entries
 
 
+def unit_view(params: PyTree, sinks: PyTree, hooks: PyTree, plan: ShardingPlan) -> PyTree:
+    """The params as a ZeRO-2/3 loss takes them on one rank (inside the DP-manual shard_map): a unit's
+    as `UnitParam`s, materialized (ZeRO-3: gathered) when the unit runs; the others now, for the whole loss."""
+
+    def wrap(p, sink, h, t):
+        x = UnitParam(p, sink, h)
+        return x if t.unit_dims is not None else materialize(x)
+
+    return jax.tree.map(wrap, params, sinks, hooks, plan.tensors)
+
+
 def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs, loss_scale):
     """ZeRO-2/3 (module docstring): (losses [M, n_dp], metrics, grads summed over the microbatches,
     each grad the rank's shard of the DP-reduced grad, in `plan.grad_shardings()`)."""
@@ -86,11 +97,7 @@ def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs,
 
     def rank_grads(params, sinks, mb, loss_scale):  # one rank: [1, b, ...] rows -> [1] loss, metrics; grad shards
         def loss_of(sinks):
-            def wrap(p, sink, h, t):
-                x = UnitParam(p, sink, h)
-                return x if t.unit_dims is not None else materialize(x)  # not in a unit: now, for the whole loss
-
-            wrapped = jax.tree.map(wrap, params, sinks, hooks, plan.tensors)
+            wrapped = unit_view(params, sinks, hooks, plan)
             return scaled_loss(loss_metrics, loss_scale)(wrapped, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
 
         (_, (loss, metrics)), g = jax.value_and_grad(loss_of, has_aux=True)(sinks)
@@ -287,4 +294,53 @@ def build_grads(
         grads,
         in_shardings=(plan.param_shardings(), batch_sharding(plan.mesh)),
         out_shardings=plan.grad_shardings(),
+    )
+
+
+def build_evaluate(
+    loss_fn: LossFn,
+    plan: ShardingPlan,
+    *,
+    microbatches: int = 1,
+    grad_reduce_dtype: jnp.dtype = jnp.float32,
+    has_aux: bool = False,
+    reshard_after_forward: bool = True,
+) -> Callable[[PyTree, PyTree], dict]:
+    """A jitted `evaluate(params, batch) -> {"loss", **metrics}`: the step's forward, without grads.
+
+    The loss runs as in the step: per DP rank in a shard_map manual over the DP axes, on each
+    microbatch of the rank's rows, params in `plan.param_shardings()`; under ZeRO-2/3 a unit's params
+    enter as `UnitParam`s (`unit_view`), so ZeRO-3 gathers each unit's shards just before it runs.
+    The result is the mean over ranks and microbatches, the step's "loss" for the same params and
+    batch; replicated.
+    """
+    mesh = plan.mesh
+    n_dp = axes_size(mesh, BATCH_AXES)
+    loss_metrics = with_metrics(loss_fn, has_aux)
+    ep_kwargs = {"ep_axis": EP_AXIS} if plan.splits_ep else {}
+    hooks = unit_hooks(plan, 1.0, grad_reduce_dtype, reshard_after_forward) if plan.shards_grads else None
+
+    def rank_loss(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and metrics
+        if hooks is not None:  # no grads: a sink only needs the stacked dims a scan over the layers slices
+            sinks = jax.tree.map(lambda t: jnp.zeros(t.shape[: t.unit_dims or 0], grad_reduce_dtype), plan.tensors)
+            params = unit_view(params, sinks, hooks, plan)
+        loss, metrics = loss_metrics(params, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
+        return loss[None], jax.tree.map(lambda m: m[None], metrics)
+
+    stacked = P(BATCH_AXES)
+    param_specs = jax.tree.map(lambda t: restrict(plan.param_spec(t), BATCH_AXES), plan.tensors)
+    losses_fn = jax.shard_map(
+        rank_loss, mesh=mesh, in_specs=(param_specs, stacked), out_specs=(stacked, stacked), axis_names=set(BATCH_AXES)
+    )
+
+    def evaluate(params, batch):
+        mbs = split_batch(batch, n_dp, microbatches)  # [M, n_dp, b, ...]
+        mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
+        losses, metrics = jax.lax.map(lambda mb: losses_fn(params, mb), mbs)  # [M, n_dp]
+        return {"loss": jnp.mean(losses), **jax.tree.map(jnp.mean, metrics)}
+
+    return jax.jit(
+        evaluate,
+        in_shardings=(plan.param_shardings(), batch_sharding(mesh)),
+        out_shardings=NamedSharding(mesh, P()),
     )
