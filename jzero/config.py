@@ -187,6 +187,9 @@ class ZeroConfig:
     # Flat path: all-gather the updated params in this dtype, a scale per 2048-element block of each
     # rank's shard; the fp32 main params stay exact (kept even for fp32 params). None = param_dtype.
     param_gather_dtype: ParamGatherDType | None = None
+    # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
+    # steps, whole params (spec) or buckets (flat) in order (jzero/zero/offload.py); 0 = none.
+    offload_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,6 +615,8 @@ def validate(cfg: Config) -> None:
         _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
     if cfg.zero.bucket_size is not None:
         _positive("zero.bucket_size", cfg.zero.bucket_size)
+    if not 0.0 <= cfg.zero.offload_fraction <= 1.0:  # NaN too
+        raise ConfigError(f"zero.offload_fraction={cfg.zero.offload_fraction} must be in [0, 1]")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % mesh.tp:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jzero.cli import main
+from jzero.train.checkpoint import read_meta
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
         "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--quiet"]
@@ -97,6 +98,18 @@ def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
     assert [r["step"] for r in more] == [7, 8]
     uninterrupted = train(tmp_path / "c", *sets(train__steps=8))
     np.testing.assert_allclose([r["loss"] for r in more], [r["loss"] for r in uninterrupted[6:]], rtol=1e-5)
+
+
+def test_offloaded_state_restores_into_host_memory_and_saves_what_no_offload_saves(base, tmp_path):
+    """The run resumed from step 3 with all its optimizer state in host memory (zero.offload_fraction=1;
+    jit refuses state arrays in another memory than its shardings') trains bitwise as the run without
+    offload, and its step-6 checkpoint holds the same arrays: checkpoints move between fractions."""
+    root, rows = base
+    ck = copy_without_last(root / "ck", tmp_path / "ck")
+    resumed = train(tmp_path / "out", *sets(zero__path="flat", zero__offload_fraction=1.0), "--resume", str(ck))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in rows[3:]]
+    offloaded, plain = read_meta(ck, STEPS)["arrays"], read_meta(root / "ck", STEPS)["arrays"]
+    assert offloaded == plain
 
 
 def test_shape_mismatch_lists_the_arrays(base, capsys, tmp_path):

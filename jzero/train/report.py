@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jzero.config import OuterStrategy
 from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size
+from jzero.zero.strategies import spec_axes
 
 
 def per_device_bytes(tree) -> int:
@@ -93,8 +94,29 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         },
         "replicated_tensors": [{"name": n, "fp32_bytes": b} for n, b in run.zero.plan.replicated()],
         **_validation(metrics),
+        **_offload(run, state),
         **_moe(metrics),
         **_loss_scale(metrics),
+    }
+
+
+def _offload(run, state) -> dict:
+    """{"offload": {fraction, units, offloaded_numel, total_numel, host_bytes}} when
+    `zero.offload_fraction` puts some optimizer state in host memory, else {}. host_bytes: the
+    largest per-device share of the state's arrays whose memory kind is pinned_host (of
+    `optimizer_state` above, which counts device and host bytes)."""
+    o = run.zero.offload
+    if not o.active:
+        return {}
+    host = [x for x in jax.tree.leaves(state.opt_state) if x.sharding.memory_kind == "pinned_host"]
+    return {
+        "offload": {
+            "fraction": o.fraction,
+            "units": list(o.units),
+            "offloaded_numel": o.offloaded_numel,
+            "total_numel": o.total_numel,
+            "host_bytes": per_device_bytes(host),
+        }
     }
 
 
@@ -150,6 +172,14 @@ def format_summary(s: dict) -> str:
         lines.append(f"  {key:18}{row}")
     tot = {k: sum(v.values()) for k, v in b.items()}
     lines.append(f"  {'total':18}{_fmt(tot['measured']):>14}{_fmt(tot['megatron_formula']):>20}{_fmt(tot['ddp']):>14}")
+    if "offload" in s:
+        o = s["offload"]
+        lines.append(
+            f"  of optimizer_state in host memory (zero.offload_fraction={o['fraction']}): "
+            f"{_fmt(o['host_bytes']).strip()}, "
+            f"{len(o['units'])} {'buckets' if s['path'] == 'flat' else 'params'} "
+            f"({100 * o['offloaded_numel'] / o['total_numel']:.1f}% of the elements)"
+        )
     if "moe" in s:
         lines.append(
             f"MoE: load-balancing loss {s['moe']['aux_loss_last']:.4f} at the last step (1 = balanced), "
@@ -214,6 +244,24 @@ def formula_domains(run, ddp: bool = False) -> dict[str, dict]:
             "grads": p * grad_b / shard_grads,
         }
     return dict(sorted(out.items()))  # dense before expert
+
+
+def formula_host(run) -> dict:
+    """The part of Megatron's main params and optimizer moments that `zero.offload_fraction` puts in
+    host memory, per device: each domain's bytes (`formula_domains`) x the share of its P_local in
+    the params whose state is offloaded (`Zero.offload.params`). Keys: main_params, optimizer_moments."""
+    plan, offloaded = run.zero.plan, run.zero.offload.params
+    by_domain: dict[tuple[str, ...], int] = {}
+    for i, t in enumerate(jax.tree.leaves(plan.tensors)):
+        if i in offloaded:
+            local = t.numel // math.prod(plan.mesh.shape[a] for a in spec_axes(t.tp_spec))
+            by_domain[t.dp_axes] = by_domain.get(t.dp_axes, 0) + local
+    out = {"main_params": 0.0, "optimizer_moments": 0.0}
+    for dom in formula_domains(run).values():
+        share = by_domain.get(tuple(dom["axes"]), 0) / dom["numel"]
+        for k in out:
+            out[k] += dom[k] * share
+    return out
 
 
 def formula_split(run, ddp: bool = False) -> dict:

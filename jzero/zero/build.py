@@ -23,7 +23,9 @@ from jzero.zero.batch import batch_sharding
 from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat_plan import FlatPlan, make_flat_plan
 from jzero.zero.flat_step import build_flat_step
+from jzero.zero.flat_step import opt_state_shardings as flat_opt_state_shardings
 from jzero.zero.loss_scale import DynamicLossScale
+from jzero.zero.offload import Offload, flat_offload, spec_offload
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
 from jzero.zero.probe import check_groups_read
 from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
@@ -51,10 +53,12 @@ class Zero:
         per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
         [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard).
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
-        spec path's layout), where `to_model_space` puts it.
+        spec path's layout, all in device memory), where `to_model_space` puts it.
       evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
         computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
         the same params and batch it is the step's "loss".
+      offload: which optimizer-state leaves live in host memory (`offload.py`; their
+        `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
     """
 
     plan: ShardingPlan
@@ -67,6 +71,7 @@ class Zero:
     grads: Callable
     model_opt_shardings: ZeroState
     evaluate: Callable
+    offload: Offload
 
     @property
     def mesh(self) -> Mesh:
@@ -81,7 +86,9 @@ class Zero:
         return init_train_state(init_params, self.init_opt, self.shardings)
 
     def to_model_space(self, opt_state: ZeroState) -> ZeroState:
-        """The optimizer state per parameter in global shapes (identity on the spec path); traceable."""
+        """The optimizer state per parameter in global shapes, in device memory (identity on the spec
+        path without offload); traceable."""
+        opt_state, _ = self.offload.to_device(opt_state)
         return opt_state if self.flat is None else flat_to_model_space(self.flat, self.inner, opt_state)
 
     def from_model_space(self, opt_state: ZeroState) -> ZeroState:
@@ -176,17 +183,20 @@ def build_zero(
                 "per-unit buckets yet"
             )
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
+        flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
+        offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(
             loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
             grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
-            param_gather_dtype=zero.param_gather_dtype,
+            param_gather_dtype=zero.param_gather_dtype, offload=offload if offload.active else None,
         )  # fmt: skip
         return Zero(
             plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh,
-            built.evaluate,
+            built.evaluate, offload,
         )  # fmt: skip
-    optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale)
-    shardings = TrainState(plan.param_shardings(), model_opt_sh, NamedSharding(mesh, P()))
+    offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
+    optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale, offload if offload.active else None)
+    shardings = TrainState(plan.param_shardings(), offload.shardings(model_opt_sh), NamedSharding(mesh, P()))
     kwargs = dict(
         microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
         reshard_after_forward=zero.reshard_after_forward,
@@ -194,4 +204,4 @@ def build_zero(
     step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
     grads = build_grads(loss_fn, plan, **kwargs)
     evaluate = build_evaluate(loss_fn, plan, **kwargs)
-    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, evaluate)
+    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, evaluate, offload)

@@ -48,6 +48,7 @@ from jzero.zero.batch import batch_sharding, split_batch
 from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_shard
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.loss_scale import DynamicLossScale, scaled_loss
+from jzero.zero.offload import Offload
 from jzero.zero.probe import check_elementwise
 from jzero.zero.quantize import gather_quantized
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
@@ -116,6 +117,7 @@ def build_flat_step(
     has_aux: bool = False,
     loss_scale: DynamicLossScale | None = None,
     param_gather_dtype: ParamGatherDType | None = None,
+    offload: Offload | None = None,
 ) -> FlatStep:
     """The flat path's shardings, optimizer init, jitted step and grads.
 
@@ -130,6 +132,8 @@ def build_flat_step(
       loss_scale: fp16's dynamic loss scaling (`loss_scale.py`; `build.build_zero`).
       param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
         (`quantize.gather_quantized`) instead of in the param dtype; None: the param dtype.
+      offload: the buckets whose state lives in host memory between steps (`offload.flat_offload`),
+        or None; the step copies them to device memory around the update.
     """
     mesh, plan = fp.plan.mesh, fp.plan
     check_elementwise(inner, plan, groups)
@@ -138,7 +142,8 @@ def build_flat_step(
     dtypes = [t.dtype for t in tensors]
     param_specs = _specs(plan.param_shardings())
     opt_sh = opt_state_shardings(inner, fp, loss_scale, quantized=param_gather_dtype is not None)
-    shardings = TrainState(plan.param_shardings(), opt_sh, NamedSharding(mesh, P()))
+    host_opt_sh = opt_sh if offload is None else offload.shardings(opt_sh)
+    shardings = TrainState(plan.param_shardings(), host_opt_sh, NamedSharding(mesh, P()))
     opt_specs = _specs(opt_sh)
     reduce_specs = fp.bucket_specs()  # the reduced grads: sharded unless no_shard
     scale = 1.0 / (fp.d * microbatches)  # the dense DP size, for expert grads too (Megatron's)
@@ -298,7 +303,11 @@ def build_flat_step(
     def step(state: TrainState, batch):
         grad_scaler = state.opt_state.grad_scaler
         (loss, metrics), grads = grads_fn(state.params, batch, None if grad_scaler is None else grad_scaler.loss_scale)
-        params, opt_state, opt_metrics = update_fn(state.params, state.opt_state, grads)
+        opt_state = state.opt_state
+        if offload is not None:
+            opt_state, grads = offload.to_device(opt_state, after=grads)
+        params, opt_state, opt_metrics = update_fn(state.params, opt_state, grads)
+        opt_state = opt_state if offload is None else offload.to_host(opt_state)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
 
     replicated = NamedSharding(mesh, P())

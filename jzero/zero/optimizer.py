@@ -30,6 +30,7 @@ from jzero.mesh import axes_size
 from jzero.zero import groups as groups_lib
 from jzero.zero import loss_scale as scaler
 from jzero.zero.loss_scale import DynamicLossScale
+from jzero.zero.offload import Offload
 from jzero.zero.state import ZeroState, keeps_main_params
 from jzero.zero.strategies import ShardingPlan, TensorPlan, choose_shard_dim
 from jzero.zero.update import clip_by_global_norm, inner_update, model_copy
@@ -125,6 +126,7 @@ def zero_optimizer(
     clip_grad: float | None = None,
     groups: PyTree | None = None,
     loss_scale: DynamicLossScale | None = None,
+    offload: Offload | None = None,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
 
@@ -135,6 +137,8 @@ def zero_optimizer(
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
       loss_scale: fp16's dynamic loss scaling (`loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
+      offload: the state leaves `step` reads from and writes back to host memory (`offload.py`),
+        or None; they are stepped in device memory.
     """
     shardings = opt_state_shardings(inner, plan, loss_scale)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
@@ -148,6 +152,8 @@ def zero_optimizer(
         return ZeroState(main if keep_main else None, inner_state, grad_scaler)
 
     def step(grads, state, params):
+        if offload is not None:
+            state, grads = offload.to_device(state, after=grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads = _constrain(grads, state_sh)  # each rank reads the shard it owns
         if loss_scale is not None:
@@ -161,9 +167,10 @@ def zero_optimizer(
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, inner_state)
-        if loss_scale is None:
-            return new_params, new_state, {"grad_norm": norm}
-        return scaler.guard_step(loss_scale, skip, norm, params, state, new_params, new_state)
+        metrics = {"grad_norm": norm}
+        if loss_scale is not None:
+            guarded = scaler.guard_step(loss_scale, skip, norm, params, state, new_params, new_state)
+            new_params, new_state, metrics = guarded
+        return new_params, new_state if offload is None else offload.to_host(new_state), metrics
 
     return ZeroOptimizer(init, step)
-
