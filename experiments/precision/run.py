@@ -1,10 +1,10 @@
 """What do bf16 moments, a quantized param all-gather and fp16 cost in loss, and what do they save?
 
-    python experiments/precision/run.py [--steps 200]
+    python experiments/precision/run.py [--steps 200] [--bytes-only]
 
 Trains the embedded default model (ZeRO-2 on the flat path, 8 simulated CPU devices, bf16 params)
 once per variant below, each a `jzero train` with one change, and compiles each variant's step
-(`jzero hlo` / `jzero memory --json`) for the bytes it moves and holds. Writes `result.json`,
+for 8 H100s, deviceless (`jzero hlo` / `jzero memory --json`), for the bytes it moves and holds. Writes `result.json`,
 `table.md` and `loss.png` beside this file.
 
 The baseline's twin on the spec path differs from it only in the order of floating-point sums: the
@@ -49,10 +49,12 @@ def train(overrides: list[str], steps: int, out: Path) -> tuple[list[dict], dict
 
 def compiled_bytes(overrides: list[str], tmp: Path) -> dict:
     """Per device: the optimizer moments' bytes (`jzero memory`) and the DP all-gather's wire bytes
-    (`jzero hlo`; codes + scales for a quantized gather) of the compiled ZeRO-2 step."""
+    (`jzero hlo`; codes + scales for a quantized gather) of the ZeRO-2 step compiled for 8 H100s
+    (deviceless): XLA:CPU widens a bf16 all-gather to f32 on the wire, XLA:GPU does not."""
     path = "spec" if "zero.path=spec" in overrides else "flat"
-    jzero("memory", "--path", path, "--strategies", "optim_grads", "--json", str(tmp / "m.json"), *sets(overrides))
-    jzero("hlo", "--path", path, "--strategies", "optim_grads", "--json", str(tmp / "h.json"), *sets(overrides))
+    common = ["--path", path, "--strategies", "optim_grads", "--target", "h100", *sets(overrides)]
+    jzero("memory", "--json", str(tmp / "m.json"), *common)
+    jzero("hlo", "--json", str(tmp / "h.json"), *common)
     memory = json.loads((tmp / "m.json").read_text())["strategies"]["optim_grads"]
     comms = json.loads((tmp / "h.json").read_text())["strategies"]["optim_grads"]
     gather = comms.get("param_gather")
@@ -70,7 +72,15 @@ def mean(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    steps = ap.parse_args().steps
+    ap.add_argument("--bytes-only", action="store_true", help="keep result.json's loss curves, recompile for the bytes")
+    args = ap.parse_args()
+    steps = args.steps
+    if args.bytes_only:
+        result = json.loads((HERE / "result.json").read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in result["runs"].values():
+                r["bytes_per_device"] = compiled_bytes(r["overrides"], Path(tmp))
+        return write(result)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, overrides) in enumerate(VARIANTS.items()):
@@ -90,7 +100,10 @@ def main() -> None:
         r["final_loss_mean"] = mean(r["loss"][-tail:])
         r["gap_vs_baseline"] = r["final_loss_mean"] / base["final_loss_mean"] - 1
         r["val_gap_vs_baseline"] = None if r["val_loss"] is None else r["val_loss"] / base["val_loss"] - 1
-    result = {"steps": steps, "tail_steps": tail, "base_overrides": BASE, "runs": runs}
+    write({"steps": steps, "tail_steps": tail, "base_overrides": BASE, "runs": runs})
+
+
+def write(result: dict) -> None:
     (HERE / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     (HERE / "table.md").write_text(table(result))
     plot(result)
