@@ -14,7 +14,7 @@ import pytest
 from helpers import init_state, tiny_config
 from jzero.cli import main
 from jzero.config import ConfigError
-from jzero.train.data import SyntheticData, TokenData, make_datasets, read_text
+from jzero.train.data import SyntheticData, TokenData, data_identity, held_out_split, make_datasets, read_text
 from jzero.train.indexed import read_indexed, write_indexed
 from jzero.train.loop import _loop, _Preemption, setup
 from megatron_writer import DATA, DOCUMENTS
@@ -142,6 +142,7 @@ def test_indexed_holds_out_whole_documents(tmp_path):
     write_indexed(str(tmp_path / "c"), docs, np.uint16)
     train, val = make_datasets(data_config("indexed", tmp_path / "c", val_fraction=0.1))
     assert train.hi == val.lo == 700  # the document boundary nearest to token 720: the last three documents
+    assert held_out_split(1000, 0.03, np.array([0, 500])) == 970  # a boundary far off (50%): split at the token
     separate = data_config("indexed", tmp_path / "c", val_path=str(DATA / "megatron_uint16"))
     with pytest.raises(ConfigError, match="holds 13 tokens, fewer than one sequence"):
         make_datasets(dataclasses.replace(separate, model=dataclasses.replace(separate.model, vocab_size=65536)))
@@ -305,3 +306,18 @@ def test_megatron_data_trains_with_validation_and_resumes_the_same(tmp_path):
 
     assert [step for step, *_, val in rows(tmp_path / "a") if val is not None] == [2, 4]
     assert rows(tmp_path / "b") == rows(tmp_path / "a")
+
+
+def test_resuming_on_other_data_says_what_changed(capsys):
+    """The checkpoint's data identity beside the run's: one note naming each change (a key an older
+    checkpoint lacks is not compared)."""
+    from jzero.train.loop import _warn_if_other_data
+
+    cfg = data_config("tokens", "a.bin")
+    saved = {**data_identity(cfg), "val_fraction": 0.1, "position": 7}
+    del saved["val_path"]
+    _warn_if_other_data(saved, cfg)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "val_fraction 0.1 -> 0.03" in err and "val_path" not in err
+    _warn_if_other_data({**data_identity(cfg), "position": 7}, cfg)
+    assert capsys.readouterr().err == ""

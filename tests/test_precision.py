@@ -275,3 +275,27 @@ def test_an_fp16_run_reports_its_scale_and_a_resume_continues_it_bitwise(tmp_pat
     resumed = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     keys = ("loss", "grad_norm", "loss_scale", "skipped", "lr")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in rows[3:]]
+
+
+def test_a_bf16_second_moment_sits_high_by_its_rounding_over_one_minus_b2():
+    """Why optimizer.moments_dtype=bfloat16 refuses b1 or b2 above 0.96: grads of 10 for 500 steps,
+    then 1 for 6000. fp32's nu falls back to 1; bf16's, rounded to nearest every step, stops falling
+    once (1 - b2) x (nu - g**2) is below half a bf16 step (2**-9 .. 2**-8 of nu), so it sits up to
+    2**-8 / (1 - b2) above: within 8% at b2 = 0.95, 1.4x at 0.99, 32x at 0.999."""
+    grads = jnp.concatenate([jnp.full(500, 10.0), jnp.ones(6000)])[:, None]
+
+    def final_nu(tx):
+        def body(state, g):
+            return tx.update(g, state, jnp.zeros(1))[1], None
+
+        return float(jax.lax.scan(body, tx.init(jnp.zeros(1)), grads)[0].nu[0])
+
+    ratio = {}
+    for b2 in (0.95, 0.99, 0.999):
+        fp32 = final_nu(optax.scale_by_adam(b2=b2))
+        assert fp32 < 1.1  # the 10x grads are forgotten
+        ratio[b2] = final_nu(store_state_in(optax.scale_by_adam(b2=b2), jnp.bfloat16)) / fp32
+    assert 1 <= ratio[0.95] < 1.0 + 2**-8 / 0.05 and ratio[0.99] > 1.3 and ratio[0.999] > 10, ratio
+    with pytest.raises(ConfigError, match="moments_dtype=bfloat16 with optimizer.b2=0.99"):
+        tiny_config(optimizer={"moments_dtype": "bfloat16", "b2": 0.99})
+    tiny_config(optimizer={"moments_dtype": "bfloat16", "b2": 0.95})  # the default b2: allowed

@@ -34,6 +34,7 @@ from jzero import multihost
 from jzero.config import Config, to_dict
 from jzero.errors import CheckpointError, RunError, one_line
 from jzero.train import ckpt_dir
+from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints
 from jzero.zero.state import TrainState, ZeroState
 
@@ -197,7 +198,7 @@ class Checkpointer:
             "run_id": self._claim.run_id if self._claim is not None else None,
             "config": to_dict(cfg),
             "step": step,
-            "data": {"kind": cfg.data.kind.value, "seed": cfg.train.seed, "position": step},
+            "data": {**data_identity(cfg), "position": step},
             "arrays": {
                 n: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": int(sums[n])}
                 for n, x in _names(nested).items()

@@ -180,13 +180,15 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
 
 def held_out_split(n_tokens: int, fraction: float, boundaries: np.ndarray | None = None) -> int:
     """Where the held-out last `fraction` of a stream of `n_tokens` starts: at the interior document
-    boundary nearest to `(1 - fraction) * n_tokens` if there is one (Megatron splits by documents),
-    else at that token."""
+    boundary nearest to `(1 - fraction) * n_tokens` (Megatron splits by documents) if that holds out
+    between half and twice `fraction`, else (no boundary near: a few long documents) at that token."""
     target = round((1 - fraction) * n_tokens)
     if boundaries is not None:
         interior = boundaries[(boundaries > 0) & (boundaries < n_tokens)]
         if len(interior):
-            return int(interior[np.argmin(np.abs(interior - target))])
+            nearest = int(interior[np.argmin(np.abs(interior - target))])
+            if fraction / 2 <= (n_tokens - nearest) / n_tokens <= 2 * fraction:
+                return nearest
     return target
 
 
@@ -203,6 +205,15 @@ def _read(cfg: Config, path: str | None, key: str) -> tuple[np.ndarray, np.ndarr
         tokens, starts = indexed.tokens, indexed.document_starts()
     check_vocab(tokens, cfg.model.vocab_size, f"{key}={path!r}")
     return tokens, starts, f"{key}={path!r}"
+
+
+def data_identity(cfg: Config) -> dict:
+    """What fixes the stream of batches besides the step: saved with each checkpoint, compared on resume."""
+    d = cfg.data
+    return {
+        "kind": d.kind.value, "seed": cfg.train.seed, "path": d.path, "dtype": d.dtype.value,
+        "val_path": d.val_path, "val_fraction": d.val_fraction,
+    }  # fmt: skip
 
 
 def make_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:

@@ -19,10 +19,10 @@ import optax
 from jax.sharding import Mesh
 
 from jzero import multihost
-from jzero.config import Config, DType, MomentsDType, OptimizerName, resolve_mesh
+from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, resolve_mesh
 from jzero.errors import Preempted, RunError
 from jzero.mesh import make_mesh
-from jzero.train.data import make_datasets
+from jzero.train.data import data_identity, make_datasets
 from jzero.train.model import GPTModel
 from jzero.zero import Zero, build_zero, groups
 from jzero.zero.loss_scale import DynamicLossScale
@@ -169,8 +169,36 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
         has_aux=True,
         loss_scale=loss_scaling(cfg),
     )
-    dataset, val_dataset = make_datasets(cfg) if with_data else (None, None)
+    dataset, val_dataset = _datasets(cfg) if with_data else (None, None)
     return Run(cfg, model, zero, dataset, val_dataset)
+
+
+def _datasets(cfg: Config):
+    """`make_datasets` on every process, which must agree: a file one process cannot read stops them
+    all with its line (not only that one, leaving the others waiting in a collective), and processes
+    that see different data (token counts or splits) stop with one line naming both."""
+    datasets, failure = (None, None), None
+    try:
+        datasets = make_datasets(cfg)
+    except ConfigError as e:
+        failure = str(e)
+    failure = multihost.first_failure(failure)
+    if failure is not None:
+        raise ConfigError(failure)
+    multihost.same_everywhere(
+        " ".join(_data_fact(d) for d in datasets), "data (a data.path not shared, or files of other lengths?)"
+    )
+    return datasets
+
+
+def _data_fact(dataset) -> str:
+    """What identifies a dataset across processes: its class, and for a token stream its length and
+    region (no file is read whole for it)."""
+    if dataset is None:
+        return "-"
+    tokens = getattr(dataset, "tokens", None)
+    size = "" if tokens is None else f":{len(tokens)}:{dataset.lo}-{dataset.hi}"
+    return type(dataset).__name__ + size
 
 
 def train(
@@ -336,8 +364,8 @@ def _metrics_file(out_dir: Path | None, start: int):
 def _warn_if_other_data(saved: dict, cfg: Config) -> None:
     """One line if the resumed run reads another data stream than the checkpoint's writer did
     (allowed, as in Megatron: continuing on new data is a choice, but rarely a silent one)."""
-    now = {"kind": cfg.data.kind.value, "seed": cfg.train.seed}
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    now = data_identity(cfg)  # a checkpoint written before a key existed is not compared on it
+    changed = [f"{k} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
     if changed:
         _tell(f"jzero: note: the checkpoint was trained on other data ({', '.join(changed)}); continuing on this run's")
 

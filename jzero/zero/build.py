@@ -27,7 +27,7 @@ from jzero.zero.flat_step import opt_state_shardings as flat_opt_state_shardings
 from jzero.zero.loss_scale import DynamicLossScale
 from jzero.zero.offload import Offload, flat_offload, spec_offload
 from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
-from jzero.zero.probe import check_groups_read
+from jzero.zero.probe import check_elementwise, check_groups_read
 from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
 from jzero.zero.step import build_evaluate, build_grads, build_train_step
 from jzero.zero.strategies import ShardingPlan, make_plan
@@ -165,6 +165,11 @@ def build_zero(
         differentiates loss x scale, unscales the reduced grads in fp32, skips the whole update
         when any is inf/nan, and reports `loss_scale` and `skipped`. None: off.
     """
+    if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
+        raise ConfigError(
+            "float16 params need loss scaling (their grads underflow without it): pass "
+            "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
+        )
     plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
     model_opt_sh = opt_state_shardings(inner, plan, loss_scale)
@@ -183,6 +188,7 @@ def build_zero(
                 "per-unit buckets yet"
             )
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
+        check_elementwise(inner, plan, groups)  # before any layout of its state: the error names the transformation
         flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
         offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(

@@ -22,7 +22,7 @@ multipliers laid out like them (`flat_plan.values_on_shard`); the updated shards
 to the param dtype and all_gathered per bucket back into the params (with
 `param_gather_dtype`: quantized blockwise to one byte and gathered with their scales,
 `quantize.py`). Only element-wise transformations mean the same on a shard as on the params:
-`probe.check_elementwise` refuses the others when the step is built.
+`probe.check_elementwise` refuses the others when `build.build_zero` builds the step.
 
 Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
 main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
@@ -49,7 +49,6 @@ from jzero.zero.flat_plan import FlatPlan, flatten, owned, unflatten, values_on_
 from jzero.zero.groups import GroupValues, group_leaves
 from jzero.zero.loss_scale import DynamicLossScale, scaled_loss
 from jzero.zero.offload import Offload
-from jzero.zero.probe import check_elementwise
 from jzero.zero.quantize import gather_quantized
 from jzero.zero.state import LossFn, TrainState, ZeroState, keeps_main_params, with_metrics
 from jzero.zero.strategies import spec_axes
@@ -127,7 +126,7 @@ def build_flat_step(
         row-parallel outputs over it (Megatron's `g` operator); if some param is split over
         ep (expert weights) also with `ep_axis=` the mesh's ep axis, over which it sends
         tokens to their experts' ranks and back.
-      inner: an element-wise optax transformation (checked here; others raise ConfigError).
+      inner: an element-wise optax transformation (`build.build_zero` checks it with `probe.check_elementwise`).
       groups: per param a `groups.ParamGroup`, or None.
       loss_scale: fp16's dynamic loss scaling (`loss_scale.py`; `build.build_zero`).
       param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
@@ -136,7 +135,6 @@ def build_flat_step(
         or None; the step copies them to device memory around the update.
     """
     mesh, plan = fp.plan.mesh, fp.plan
-    check_elementwise(inner, plan, groups)
     tensors = jax.tree.leaves(plan.tensors)
     treedef = jax.tree.structure(plan.tensors)
     dtypes = [t.dtype for t in tensors]

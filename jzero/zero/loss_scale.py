@@ -95,7 +95,7 @@ def scaled_loss(loss_metrics, loss_scale: jax.Array | None):
 
     def fn(*args, **kwargs):
         loss, metrics = loss_metrics(*args, **kwargs)
-        scaled = loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)
+        scaled = loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale.astype(jnp.float32)
         return scaled, (loss, metrics)
 
     return fn

@@ -64,7 +64,10 @@ def quantize(x: jax.Array, dtype: ParamGatherDType, block: int = BLOCK) -> tuple
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [nb]
     qmax = QMAX[dtype]
     # x (1 / QMAX), spelled out: XLA turns a division by a constant into that product anyway.
-    scale = jnp.where(amax == 0, 1.0, amax * jnp.float32(1 / qmax))
+    scale = amax * jnp.float32(1 / qmax)
+    # A block of zeros, or one so small its scale flushes to 0 (absmax < ~5e-36 for fp8), gets
+    # scale 1 (its codes round to 0): never 0 / 0. A nan or inf block keeps its non-finite scale.
+    scale = jnp.where(scale == 0, 1.0, scale)
     y = jnp.clip((blocks / scale[:, None]).reshape(-1)[:size], -qmax, qmax)
     if dtype == ParamGatherDType.INT8:
         y = jnp.round(y)
