@@ -2,7 +2,7 @@
 
 The single-device references (`helpers.reference_run`) are computed once per session and shared
 by the pytest-xdist workers through a directory the controlling process makes (its environment
-is the workers') and removes when it exits.
+is the workers') and removes when it exits; so are compiled programs (JAX's compilation cache).
 """
 
 import atexit
@@ -14,6 +14,16 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 if "JZERO_TEST_REFERENCES" not in os.environ:
     os.environ["JZERO_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="jzero-test-references-")
     atexit.register(shutil.rmtree, os.environ["JZERO_TEST_REFERENCES"], ignore_errors=True)
+# JAX's persistent compilation cache, for this session only (made here, removed at exit; the
+# workers and the CLI subprocesses inherit it): the many tests that build the same tiny programs
+# compile each once. A hit is the same executable XLA would build (the key is the program and its
+# compile options), so nothing a test checks changes; `jzero hlo`'s dumps compile with options of
+# their own (a fresh dump directory) and are never served from it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jzero-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
