@@ -254,6 +254,14 @@ def test_truncated_step_falls_back_quietly_moves_aside_and_is_saved_again(base, 
 # ---------------------------------------------------------------- failing and stopped runs
 
 
+def _without_compilation_cache() -> dict:
+    """The test session's environment without its JAX compilation cache (conftest.py): under a write
+    limit JAX would warn that it cannot write the cache, a line of JAX's beside jzero's one."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     """A write limit (as from a full disk) makes the first save fail: exit 2, one line, no hang."""
     args = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=50, checkpoint__dir=tmp_path / "ck",
@@ -261,7 +269,7 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (30000, 30000)); "
     proc = subprocess.run(
         [sys.executable, "-c", limit + "import sys; from jzero.cli import console; sys.argv[0] = 'jzero'; console()",
-         *args], capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120,
+         *args], capture_output=True, text=True, env=_without_compilation_cache(), timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = [line for line in proc.stderr.splitlines() if "cuda" not in line and "absl::InitializeLog" not in line]

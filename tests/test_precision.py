@@ -163,7 +163,7 @@ def _poison_bwd(res, _):
 _poison.defvjp(_poison_fwd, _poison_bwd)
 
 
-@pytest.mark.parametrize("strategy, path", [("optim_grads", "spec"), ("optim", "flat")])
+@pytest.mark.parametrize("strategy, path", [("optim_grads_params", "spec"), ("optim", "flat")])
 def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(strategy, path):
     """Steps 3 and 4 (of 5) get an inf in one rank's grads: every array of the state comes out of each
     bitwise unchanged (the optimizer's step count too), `skipped` is 1, the scale stays after the

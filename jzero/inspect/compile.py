@@ -15,6 +15,7 @@ ranges on CPU), XLA writes to its dump: `compile_with_dump` compiles with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import math
@@ -59,10 +60,28 @@ class XlaDump:
     hlo: str
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """JAX's persistent compilation cache (if the user has one) off for a compile: its key leaves out
+    `xla_dump_to`, so a hit would return the program without XLA running, and write no dump. JAX
+    decides once per process whether the cache is used; `reset_cache` makes it decide again."""
+    from jax._src import compilation_cache  # no public switch for one compile
+
+    reset = getattr(compilation_cache, "reset_cache", lambda: None)
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        reset()
+
+
 def compile_with_dump(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, XlaDump]:
     """Compiles `lowered` once with XLA's dump on; the compiled program and its `XlaDump`."""
     texts = {}
-    with tempfile.TemporaryDirectory(prefix="jzero-xla-dump-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="jzero-xla-dump-") as tmp, _without_persistent_cache():
         compiled = lowered.compile(compiler_options={"xla_dump_to": tmp})
         for key, suffix in _DUMP_SUFFIXES.items():
             found = sorted(glob.glob(os.path.join(tmp, f"*{suffix}")))
