@@ -163,13 +163,13 @@ def _poison_bwd(res, _):
 _poison.defvjp(_poison_fwd, _poison_bwd)
 
 
-@pytest.mark.parametrize("strategy, path", [("optim_grads_params", "spec"), ("optim", "flat")])
-def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(strategy, path):
+@pytest.mark.parametrize("strategy, path, microbatches", [("optim_grads_params", "spec", 1), ("optim", "flat", 2)])
+def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(strategy, path, microbatches):
     """Steps 3 and 4 (of 5) get an inf in one rank's grads: every array of the state comes out of each
     bitwise unchanged (the optimizer's step count too), `skipped` is 1, the scale stays after the
     first (hysteresis 2) and halves after the second, and step 5 trains on."""
     fp16 = {"param_dtype": "float16"}
-    cfg = tiny_config(strategy, (4, 1, 1), zero={"path": path}, precision=fp16, model={"n_layers": 1})
+    cfg = tiny_config(strategy, (4, 1, 1), microbatches, zero={"path": path}, precision=fp16, model={"n_layers": 1})
     run = setup(cfg, jax.devices()[:4])  # the model and config; the step is built below with the poison
     model, abstract = run.model, run.model.abstract_params()
 
@@ -179,12 +179,12 @@ def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(
 
     zero = build_zero(
         loss, inner_optimizer(cfg), run.mesh, abstract, model.tp_specs(abstract), cfg.zero,
-        units=model.units(abstract), clip_grad=1.0, has_aux=True,
+        units=model.units(abstract), clip_grad=1.0, has_aux=True, microbatches=microbatches,
         loss_scale=scaler.DynamicLossScale(initial_loss_scale=2.0**10, hysteresis=2),
     )  # fmt: skip
     state = zero.init_state(model.init)
     data = setup_free_dataset(cfg)
-    poisoned = {2: 5, 3: 13}  # step -> the row (of rank 1, then of rank 3) whose loss sends an inf back
+    poisoned = {2: 5, 3: 13}  # step -> the row whose loss sends an inf back (one rank's, one microbatch's)
     scales = [2.0**10] * 4 + [2.0**9]
     for i in range(5):
         flag = np.zeros(16, np.float32)
