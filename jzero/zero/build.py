@@ -51,7 +51,8 @@ class Zero:
         split over the dense DP domain (`batch_sharding`); the state is donated.
       grads: jitted (params, batch) -> the reduced grads as the optimizer reads them (spec:
         per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
-        [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard).
+        [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard), of the loss
+        unscaled: with fp16 params small ones may underflow where the step's scaled ones do not.
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout, all in device memory), where `to_model_space` puts it.
       evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
