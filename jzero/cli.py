@@ -14,8 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from jzero.config import Config, ConfigError, ZeroPath, load_config
+from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
+from jzero.zero.config import ZeroPath
 
 
 def _start(cfg: Config, args: argparse.Namespace | None = None) -> None:

@@ -1,8 +1,10 @@
-"""Typed run configuration: frozen dataclasses loaded from YAML plus `--set` overrides.
+"""The CLI's typed run configuration: frozen dataclasses loaded from YAML plus `--set` overrides.
 
-Every key is validated once, at load time; a bad key or value raises one
-`ConfigError` that names it. This module imports no JAX so the CLI can read the
-config (and `train.host_devices`) before JAX starts.
+It composes the library's own types (`jzero.zero.config.ZeroConfig`, `jzero.mesh.MeshConfig`,
+`jzero.zero.config.ParamGroupRule`), which check themselves when built, with the harness's
+sections (model, train, data, ...). Every key is validated once, at load time; a bad key or
+value raises one `ConfigError` that names it. This module imports no JAX so the CLI can read
+the config (and `train.host_devices`) before JAX starts.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -19,42 +20,12 @@ from typing import Any
 import yaml
 
 from jzero.errors import ConfigError
+from jzero.mesh import AUTO_DP, MeshConfig
+from jzero.zero.config import DynamicLossScale, ParamGroupRule, ZeroConfig
 
-AUTO_DP = -1  # mesh.dp: all the devices the other mesh axes leave
 # The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
-# falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.moments`).
+# falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
 BF16_MAX_DECAY = 0.96
-
-
-class ShardingStrategy(str, enum.Enum):
-    """Megatron's `data_parallel_sharding_strategy`: what is sharded over the DP domain."""
-
-    NO_SHARD = "no_shard"  # DDP: everything replicated, grads all-reduced
-    OPTIM = "optim"  # ZeRO-1: optimizer state + fp32 main params sharded
-    OPTIM_GRADS = "optim_grads"  # ZeRO-2: ... and the reduced gradients
-    OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
-
-
-class OuterStrategy(str, enum.Enum):
-    """Megatron-FSDP's `outer_dp_sharding_strategy`: what HSDP shards across the `dp_outer` replicas."""
-
-    NO_SHARD = "no_shard"  # each replica holds the whole (inner-sharded) state; grads all-reduced across
-    OPTIM = "optim"  # the optimizer state and fp32 main params are also sharded across the replicas
-
-
-class ZeroPath(str, enum.Enum):
-    """How the data-parallel collectives are produced."""
-
-    SPEC = "spec"  # sharding specs; XLA emits the collectives
-    FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
-
-
-class ParamGatherDType(str, enum.Enum):
-    """The flat path's param all-gather in one byte per element (ZeRO++ qwZ, Megatron's fp8_param_gather):
-    each rank quantizes its updated shard blockwise, scales absmax/127 or absmax/448 (`zero/quantize.py`)."""
-
-    INT8 = "int8"
-    FLOAT8_E4M3FN = "float8_e4m3fn"
 
 
 class DType(str, enum.Enum):
@@ -147,59 +118,13 @@ class ModelConfig:
     moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh sizes; their product must equal the number of devices.
-
-    `dp: -1` (MaxText's convention) takes every device the other axes leave: device count /
-    (dp_outer * ep * tp), known only once JAX has started (`resolve`, `resolve_mesh`).
-    """
-
-    dp: int = AUTO_DP  # data parallel (dense and expert params); -1 = all remaining devices
-    ep: int = 1  # expert parallel; dense params are also data-parallel over it
-    tp: int = 1  # tensor parallel (Megatron column/row parallel layers)
-    dp_outer: int = 1  # outer data-parallel axis for HSDP (replicas of a sharded group)
-
-    def resolve(self, n_devices: int) -> MeshConfig:
-        """These sizes with `dp=-1` replaced by the devices the other axes leave; unchanged if dp is set.
-
-        Raises:
-          ConfigError: `n_devices` is not a multiple of dp_outer * ep * tp.
-        """
-        if self.dp != AUTO_DP:
-            return self
-        rest = self.dp_outer * self.ep * self.tp
-        if n_devices % rest:
-            raise ConfigError(
-                f"mesh.dp=-1 (all remaining devices): {n_devices} devices are not a multiple of "
-                f"mesh.dp_outer*mesh.ep*mesh.tp = {self.dp_outer}*{self.ep}*{self.tp} = {rest}; set mesh.dp explicitly"
-            )
-        return dataclasses.replace(self, dp=n_devices // rest)
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroConfig:
-    """Which ZeRO stage, and how its collectives are produced."""
-
-    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS
-    path: ZeroPath = ZeroPath.SPEC
-    bucket_size: int | None = None  # elements per flat bucket; None = one bucket per buffer
-    pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
-    reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
-    outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
-    # Flat path: all-gather the updated params in this dtype, a scale per 2048-element block of each
-    # rank's shard; the fp32 main params stay exact (kept even for fp32 params). None = param_dtype.
-    param_gather_dtype: ParamGatherDType | None = None
-    # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
-    # steps, whole params (spec) or buckets (flat) in order (jzero/zero/offload.py); 0 = none.
-    offload_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Megatron's mixed precision: the model copy in `param_dtype`, fp32 main params beside it
     when that is not fp32. float16 turns on Megatron's dynamic loss scaling (the keys below,
-    `jzero.zero.loss_scale`): a step whose grads hold an inf or nan is skipped and the scale backs off.
+    `jzero.zero.common.loss_scale`): a step whose grads hold an inf or nan is skipped and the scale backs off.
     """
 
     param_dtype: DType = DType.FLOAT32  # the model copy used in forward/backward
@@ -209,18 +134,6 @@ class PrecisionConfig:
     loss_scale_window: int = 1000  # finite steps before the scale doubles
     hysteresis: int = 2  # inf/nan steps before the scale first halves
 
-
-@dataclasses.dataclass(frozen=True)
-class ParamGroupRule:
-    """Multipliers for the params whose name matches `pattern` (Megatron's param groups).
-
-    A param's lr is `optimizer.lr * lr_mult` and its weight decay `optimizer.weight_decay *
-    wd_mult`; a rule sets only the multipliers it gives, and later rules win.
-    """
-
-    pattern: str  # regular expression searched in the param's name, e.g. "tok_emb" or "blocks/.*/bias"
-    lr_mult: float | None = None  # None = keep
-    wd_mult: float | None = None  # None = keep (adamw only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +298,15 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             kwargs[name] = _build(tp, value, f"{key}.")
         else:
             kwargs[name] = _coerce(key, tp, value)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a library type checked itself: name the key as this file spells it
+        raise ConfigError(_prefixed(prefix, str(e))) from None
+
+
+def _prefixed(prefix: str, message: str) -> str:
+    """`message` (which names a field first) with the field's section `prefix`, unless it has it."""
+    return message if not prefix or message.startswith(prefix) else prefix + message
 
 
 def _yaml_key(f: dataclasses.Field) -> str:
@@ -530,27 +451,21 @@ def _check_precision(p: PrecisionConfig) -> None:
             f"precision.grad_reduce_dtype=float16 needs precision.param_dtype=float16 (loss scaling), "
             f"got {p.param_dtype.value}"
         )
-    for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-        _positive(f"precision.{key}", getattr(p, key))
-    if p.min_loss_scale > p.initial_loss_scale:
-        raise ConfigError(
-            f"precision.min_loss_scale={p.min_loss_scale} must be <= "
-            f"precision.initial_loss_scale={p.initial_loss_scale}"
-        )
+    loss_scale(p)  # the loss-scaling keys check themselves (`DynamicLossScale`)
+
+
+def loss_scale(p: PrecisionConfig) -> DynamicLossScale:
+    """`precision`'s dynamic loss scaling (the four `*loss_scale*` / `hysteresis` keys); errors name the keys."""
+    try:
+        return DynamicLossScale(p.initial_loss_scale, p.min_loss_scale, p.loss_scale_window, p.hysteresis)
+    except ConfigError as e:
+        raise ConfigError(_prefixed("precision.", str(e))) from None
 
 
 def _check_param_groups(o: OptimizerConfig) -> None:
-    for i, rule in enumerate(o.param_groups):
-        key = f"optimizer.param_groups[{i}]"
-        try:
-            re.compile(rule.pattern)
-        except re.error as e:
-            raise ConfigError(f"{key}.pattern={rule.pattern!r} is not a regular expression: {e}") from None
-        for field in ("lr_mult", "wd_mult"):
-            value = getattr(rule, field)
-            if value is not None and not value >= 0:
-                raise ConfigError(f"{key}.{field}={value} must be >= 0")
+    for i, rule in enumerate(o.param_groups):  # each rule checked its own values (`ParamGroupRule`)
         if rule.wd_mult is not None and o.name != OptimizerName.ADAMW:
+            key = f"optimizer.param_groups[{i}]"
             raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw has)")
 
 
@@ -577,15 +492,6 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
 
 
-def _check_param_gather(z: ZeroConfig) -> None:
-    """zero.param_gather_dtype quantizes the flat path's all-gather of the updated shards: it needs that gather."""
-    name = z.param_gather_dtype.value
-    if z.path != ZeroPath.FLAT:
-        raise ConfigError(f"zero.param_gather_dtype={name} needs zero.path=flat (the spec path's gathers are XLA's)")
-    if z.strategy == ShardingStrategy.NO_SHARD:
-        raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
-
-
 def _check_data(cfg: Config) -> None:
     d, t = cfg.data, cfg.train
     if d.kind == DataKind.TEXT and cfg.model.vocab_size < 256:
@@ -609,11 +515,6 @@ def validate(cfg: Config) -> None:
         value = getattr(m, f.name)
         if isinstance(value, int) and not isinstance(value, bool):
             _positive(f"model.{f.name}", value)
-    for f in dataclasses.fields(mesh):
-        value = getattr(mesh, f.name)
-        if value < 1 and not (f.name == "dp" and value == AUTO_DP):
-            hint = " or -1 (all remaining devices)" if f.name == "dp" else ""
-            raise ConfigError(f"mesh.{f.name}={value} must be >= 1{hint}")
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
     for f in dataclasses.fields(cfg):
@@ -624,10 +525,6 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for f in dataclasses.fields(cfg.distributed):
         _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
-    if cfg.zero.bucket_size is not None:
-        _positive("zero.bucket_size", cfg.zero.bucket_size)
-    if not 0.0 <= cfg.zero.offload_fraction <= 1.0:  # NaN too
-        raise ConfigError(f"zero.offload_fraction={cfg.zero.offload_fraction} must be in [0, 1]")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % mesh.tp:
@@ -651,10 +548,3 @@ def validate(cfg: Config) -> None:
         )
     _check_moe(m, mesh)
     _check_data(cfg)
-    if cfg.zero.param_gather_dtype is not None:
-        _check_param_gather(cfg.zero)
-    if cfg.zero.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and cfg.zero.path == ZeroPath.FLAT:
-        raise ConfigError(
-            "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
-            "per-unit buckets yet"
-        )

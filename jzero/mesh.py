@@ -11,13 +11,14 @@ Axes, outermost first: `dp_outer` (HSDP replicas), `dp`, `ep`, `tp`. As in Megat
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jzero.errors import ConfigError
 
-from jzero.config import ConfigError, MeshConfig
+if TYPE_CHECKING:  # JAX is imported where a mesh is made: the CLI reads MeshConfig before JAX starts
+    from jax.sharding import Mesh
 
 AXES = ("dp_outer", "dp", "ep", "tp")
 DENSE_DP_AXES = ("dp_outer", "dp", "ep")
@@ -26,6 +27,44 @@ BATCH_AXES = DENSE_DP_AXES
 TP_AXIS = "tp"
 EP_AXIS = "ep"
 OUTER_AXIS = "dp_outer"
+AUTO_DP = -1  # MeshConfig.dp: all the devices the other mesh axes leave
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; their product must equal the number of devices.
+
+    `dp: -1` (MaxText's convention) takes every device the other axes leave: device count /
+    (dp_outer * ep * tp), known only once JAX has started (`resolve`, `jzero.config.resolve_mesh`).
+    """
+
+    dp: int = AUTO_DP  # data parallel (dense and expert params); -1 = all remaining devices
+    ep: int = 1  # expert parallel; dense params are also data-parallel over it
+    tp: int = 1  # tensor parallel (Megatron column/row parallel layers)
+    dp_outer: int = 1  # outer data-parallel axis for HSDP (replicas of a sharded group)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value < 1 and not (f.name == "dp" and value == AUTO_DP):
+                hint = " or -1 (all remaining devices)" if f.name == "dp" else ""
+                raise ConfigError(f"mesh.{f.name}={value} must be >= 1{hint}")
+
+    def resolve(self, n_devices: int) -> MeshConfig:
+        """These sizes with `dp=-1` replaced by the devices the other axes leave; unchanged if dp is set.
+
+        Raises:
+          ConfigError: `n_devices` is not a multiple of dp_outer * ep * tp.
+        """
+        if self.dp != AUTO_DP:
+            return self
+        rest = self.dp_outer * self.ep * self.tp
+        if n_devices % rest:
+            raise ConfigError(
+                f"mesh.dp=-1 (all remaining devices): {n_devices} devices are not a multiple of "
+                f"mesh.dp_outer*mesh.ep*mesh.tp = {self.dp_outer}*{self.ep}*{self.tp} = {rest}; set mesh.dp explicitly"
+            )
+        return dataclasses.replace(self, dp=n_devices // rest)
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -35,6 +74,10 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     Axis types are Auto so sharding constraints inside jit are honoured (docs/xla.md,
     "Auto axes and sharding constraints").
     """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
     devices = jax.devices() if devices is None else devices
     cfg = cfg.resolve(len(devices))
     shape = (cfg.dp_outer, cfg.dp, cfg.ep, cfg.tp)

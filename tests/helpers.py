@@ -16,12 +16,14 @@ import numpy as np
 import optax
 from jax.sharding import SingleDeviceSharding
 
-from jzero.config import Config, MeshConfig, OptimizerName, ZeroConfig, from_dict
+from jzero.config import Config, OptimizerName, from_dict
+from jzero.mesh import MeshConfig
 from jzero.train.loop import Run, lr_schedule, param_groups, setup
 from jzero.train.model import GPTModel
-from jzero.zero.groups import ParamGroup
-from jzero.zero.state import TrainState
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common.groups import ParamGroup
+from jzero.zero.common.state import TrainState
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import ZeroConfig
 
 STEPS = 5
 REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
@@ -74,7 +76,7 @@ def reference_run(cfg: Config, steps: int = STEPS):
     serves every such variant of a config. A dense model's loss is a mean over tokens, the
     same whatever the split; a MoE model routes each rank's microbatch on its own (capacity,
     load-balancing loss), so the reference routes the same groups of rows: the global batch
-    in dp_domain_size x microbatches contiguous groups (`jzero.zero.batch`), loss averaged.
+    in dp_domain_size x microbatches contiguous groups (`jzero.zero.common.batch`), loss averaged.
     """
     groups = cfg.dp_domain_size * cfg.train.microbatches if cfg.model.moe.num_experts else 1
     train = dataclasses.replace(cfg.train, microbatches=1)

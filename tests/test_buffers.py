@@ -1,4 +1,4 @@
-"""Megatron flat-buffer layout and distributed-optimizer ownership (jzero.zero.buffers)."""
+"""Megatron flat-buffer layout and distributed-optimizer ownership (jzero.zero.flat.buffers)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jzero.zero.buffers import Layout, Range, bucket_end_divisor, build_layout
+from jzero.zero.flat.buffers import Layout, Range, bucket_end_divisor, build_layout
 
 
 def test_range():

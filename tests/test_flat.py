@@ -16,9 +16,9 @@ from jzero.config import ConfigError
 from jzero.inspect.compile import abstract_state
 from jzero.inspect.hlo import axes_of_groups, parse_collectives
 from jzero.train.loop import setup
-from jzero.train.report import per_device_bytes
-from jzero.zero.buffers import bucket_end_divisor, build_layout
-from jzero.zero.probe import check_elementwise
+from jzero.zero.common.probe import check_elementwise
+from jzero.zero.flat.buffers import bucket_end_divisor, build_layout
+from jzero.zero.memory import per_device_bytes
 
 DP_AXES = {"dp_outer", "dp", "ep"}
 

@@ -16,13 +16,14 @@ from test_moe import MOE
 
 from helpers import tiny_config
 from jzero.cli import main
-from jzero.config import ConfigError, MeshConfig, OuterStrategy, ShardingStrategy, ZeroConfig, ZeroPath
-from jzero.mesh import make_mesh
+from jzero.config import ConfigError
+from jzero.mesh import MeshConfig, make_mesh
 from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
 from jzero.zero import build_zero
-from jzero.zero.units import unit
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common.units import unit
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroConfig, ZeroPath
 
 ZERO3 = "optim_grads_params"
 

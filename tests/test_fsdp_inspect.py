@@ -20,7 +20,7 @@ from jzero.config import validate
 from jzero.inspect import comms, memory
 from jzero.inspect.compile import CompiledStep, abstract_state, compile_step, setup_without_data
 from jzero.inspect.targets import TARGETS
-from jzero.train.report import formula_split
+from jzero.zero.memory import formula_split
 
 L = 3  # scanned blocks: XLA may peel one iteration of a layer loop out of it
 MODEL = {"scan_layers": True, "bias": False, "n_layers": L}
@@ -121,7 +121,7 @@ def test_state_is_the_formula(strategy, dp_outer, outer):
     state and sharded grads / d_i, or / d with outer_strategy optim."""
     run = setup_without_data(config(strategy, dp_outer, outer, param_dtype="bfloat16"), None)
     c = CompiledStep(run, None, abstract_state(run), "cpu", None, 0.0)
-    state, formula = memory.state_bytes(c), formula_split(run)
+    state, formula = memory.state_bytes(c), formula_split(run.zero)
     for part in ("params", "main_params", "grads"):
         assert state[part] == formula[part], part
     assert 0 <= state["optimizer_moments"] - formula["optimizer_moments"] <= 16  # Adam's step counters
@@ -140,7 +140,7 @@ def test_zero3_formula_with_16_bit_grads_is_the_zero_papers():
     """bf16 params and grads (the ZeRO paper's fp16/fp16): stage 3 holds (2 + 2 + K) P / N, K = 12."""
     run = setup_without_data(config("optim_grads_params", param_dtype="bfloat16", grad_reduce_dtype="bfloat16"), None)
     n = sum(t.numel for t in jax.tree.leaves(run.zero.plan.tensors))
-    assert sum(formula_split(run).values()) == (2 + 2 + 12) * n / 8
+    assert sum(formula_split(run.zero).values()) == (2 + 2 + 12) * n / 8
     c = CompiledStep(run, None, abstract_state(run), "cpu", None, 0.0)
     assert memory.state_bytes(c)["params"] == 2 * n / 8
 

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 
 from helpers import tiny_config
-from jzero.config import ParamGroupRule
 from jzero.train.loop import param_groups
 from jzero.train.model import GPTModel
-from jzero.zero.groups import ParamGroup
-from jzero.zero.groups import param_groups as resolve
+from jzero.zero.common.groups import ParamGroup
+from jzero.zero.common.groups import param_groups as resolve
+from jzero.zero.config import ParamGroupRule
 
 
 def _abstract(**shapes):

@@ -19,7 +19,7 @@ from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
 from jzero.train import moe
 from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
-from jzero.zero.strategies import spec_axes
+from jzero.zero.common.strategies import spec_axes
 
 MOE = {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}  # block 1 of 2 is MoE; drops tokens
 MESHES = [(2, 2, 2), (4, 2, 1)]  # (dp, ep, tp)
@@ -217,7 +217,7 @@ def test_reference_routes_per_rank_and_microbatch():
 
 def test_an_expert_flag_that_disagrees_with_the_ep_split_is_refused():
     """A user's is_expert tree must mark exactly the params whose spec splits 'ep'."""
-    from jzero.zero.strategies import make_plan
+    from jzero.zero.common.strategies import make_plan
 
     run = setup(moe_config())
     abstract = run.model.abstract_params()

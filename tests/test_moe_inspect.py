@@ -18,7 +18,8 @@ from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES
 from jzero.train import moe
 from jzero.train.loop import setup
 from jzero.train.model import GPTModel
-from jzero.train.report import formula_bytes, formula_domains, measured_bytes
+from jzero.train.report import measured_bytes
+from jzero.zero.memory import formula_bytes, formula_domains
 
 MOE = [*TINY, "model.moe.num_experts=4", "model.moe.top_k=2"]  # one MoE block, fc1 [E=4, 32, 64]
 MESHES = [(2, 2, 2), (4, 2, 1)]  # (dp, ep, tp)
@@ -72,12 +73,12 @@ def test_training_summary_uses_the_two_domain_formula():
     """`report.summarize`'s measured bytes (the arrays' shards) equal its formula on a MoE run."""
     cfg = tiny_config("optim_grads", (2, 2, 2), model={"moe": {"num_experts": 4, "top_k": 2}})
     run = setup(cfg)
-    measured, formula = measured_bytes(run, run.init_state()), formula_bytes(run)
+    measured, formula = measured_bytes(run, run.init_state()), formula_bytes(run.zero)
     assert measured["params"] == formula["params"] and measured["grads"] == formula["grads"]
     assert 0 <= measured["optimizer_state"] - formula["optimizer_state"] <= 16
-    domains = formula_domains(run)
+    domains = formula_domains(run.zero)
     assert set(domains) == {"dense", "expert"} and (domains["dense"]["d"], domains["expert"]["d"]) == (4, 2)
-    ddp = formula_bytes(run, ddp=True)
+    ddp = formula_bytes(run.zero, ddp=True)
     assert ddp["grads"] == sum(dom["numel"] for dom in domains.values()) * 4
 
 

@@ -1,4 +1,4 @@
-"""Optimizer-state host offload (`zero.offload_fraction`, jzero/zero/offload.py): it moves bytes, not
+"""Optimizer-state host offload (`zero.offload_fraction`, jzero/zero/common/offload.py): it moves bytes, not
 math, and the bytes it moves are where the shardings, the compiled program and Megatron's formula
 say. Checkpoints moving between fractions: test_checkpoint.py."""
 
@@ -12,7 +12,7 @@ from test_inspect_cli import TINY, jzero, needs_cuda
 from helpers import tiny_config
 from jzero.config import ConfigError, load_config
 from jzero.train.loop import setup
-from jzero.zero.offload import HOST, choose
+from jzero.zero.common.offload import HOST, choose
 
 
 def test_choose_is_megatrons_rule():

@@ -16,10 +16,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError, MeshConfig, ShardingStrategy, ZeroConfig, ZeroPath
-from jzero.mesh import make_mesh
+from jzero.config import ConfigError
+from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import ParamGroup, build_zero, groups
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 STEPS = 10
 SHAPES = {"vec3": (3,), "mat": (16, 5), "cube": (8, 3, 7), "wide": (128, 136), "odd": (129, 130), "empty": (0, 4),

@@ -22,10 +22,10 @@ from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.train.loop import inner_optimizer, setup
 from jzero.train.model import GPTModel
-from jzero.train.report import formula_split, shard_bytes
 from jzero.zero import build_zero, store_state_in
-from jzero.zero import loss_scale as scaler
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.memory import formula_split, shard_bytes
 
 
 class MegatronScaler:
@@ -234,7 +234,7 @@ def test_bf16_moments_halve_the_moment_bytes_as_the_formula_says():
         state = jax.eval_shape(run.init_state)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, run.zero.shardings)
         measured = shard_bytes(state.opt_state.inner_state)
-        formula = formula_split(run)["optimizer_moments"]
+        formula = formula_split(run.zero)["optimizer_moments"]
         assert measured == pytest.approx(formula, rel=1e-3), (moments, measured, formula)
         numel = sum(t.numel for t in jax.tree.leaves(run.zero.plan.tensors))
         assert formula == pytest.approx(numel * per_param / 8, rel=1e-9)

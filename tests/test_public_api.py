@@ -7,10 +7,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import MeshConfig, ShardingStrategy, ZeroConfig, ZeroPath
-from jzero.mesh import make_mesh
+from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import build_zero, groups
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 
 def init_params():

@@ -15,14 +15,16 @@ import optax
 import pytest
 
 from helpers import init_state, plain_optax, rel_param_errors, setup_free_dataset, tiny_config
-from jzero.config import ConfigError, MeshConfig, ZeroConfig
+from jzero.config import ConfigError
 from jzero.inspect import comms
 from jzero.inspect.compile import CompiledStep, abstract_state
 from jzero.inspect.hlo import axes_of_groups, parse_collectives
+from jzero.mesh import MeshConfig
 from jzero.train.loop import setup
 from jzero.train.model import GPTModel
-from jzero.train.report import formula_split, shard_bytes
-from jzero.zero.update import clip_by_global_norm
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import ZeroConfig
+from jzero.zero.memory import formula_split, shard_bytes
 
 BLOCK = 2048  # a scale per 2048 elements of a rank's shard (ZeRO++'s group size)
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
@@ -136,7 +138,7 @@ def test_model_copy_is_the_blockwise_quantized_main_params(dtype):
     # The fp32 main params are kept (4 bytes per owned element, the memory formula's too), apart from the params.
     owned = sum(fp.shard_size(b) for b in range(fp.n_buckets))
     assert shard_bytes(state.opt_state.main_params) == 4 * owned
-    assert formula_split(run)["main_params"] == pytest.approx(4 * owned, rel=0.01)  # unpadded
+    assert formula_split(run.zero)["main_params"] == pytest.approx(4 * owned, rel=0.01)  # unpadded
     main = [np.asarray(x)[0] for x in jax.device_get(state.opt_state.main_params)]  # [tp=1, S_b] per bucket
     params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
     # The model copy is exactly the formula applied to the main params, rank by rank, block by block.

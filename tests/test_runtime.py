@@ -9,7 +9,8 @@ import pytest
 
 from jzero import runtime
 from jzero.cli import main
-from jzero.config import Config, ConfigError, MeshConfig, load_config, resolve_mesh
+from jzero.config import Config, ConfigError, load_config, resolve_mesh
+from jzero.mesh import MeshConfig
 
 TINY = ["model.n_layers=1", "model.seq_len=16", "model.d_model=32", "model.d_ff=64", "data.kind=synthetic"]
 

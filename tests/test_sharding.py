@@ -5,11 +5,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
-from jzero.config import MeshConfig, ShardingStrategy
-from jzero.mesh import make_mesh
+from jzero.mesh import MeshConfig, make_mesh
 from jzero.train.loop import setup
-from jzero.train.report import per_device_bytes, shard_bytes
-from jzero.zero.strategies import choose_shard_dim, make_plan
+from jzero.zero.common.strategies import choose_shard_dim, make_plan
+from jzero.zero.config import ShardingStrategy
+from jzero.zero.memory import per_device_bytes, shard_bytes
 
 
 def _moment_bytes(opt_state):

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from jzero.config import Config, ConfigError, ShardingStrategy, load_config
+from jzero.config import Config, ConfigError, load_config
+from jzero.zero.config import ShardingStrategy
 
 # The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
 TARGET_CHOICES = ("cpu", "h100", "a100", "h200")

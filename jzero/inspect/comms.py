@@ -57,15 +57,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jzero.config import OuterStrategy, ShardingStrategy, ZeroPath, to_dict
+from jzero.config import to_dict
 from jzero.inspect import hlo, overlap, peak
 from jzero.inspect.compile import CPU, CompiledStep
 from jzero.mesh import BATCH_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size
 from jzero.train import moe
 from jzero.train.model import is_moe_block
-from jzero.train.report import DOMAIN_NAMES
-from jzero.zero import quantize
-from jzero.zero.strategies import restrict, spec_axes
+from jzero.zero.common.strategies import restrict, spec_axes
+from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroPath
+from jzero.zero.flat import quantize
+from jzero.zero.memory import DOMAIN_NAMES
 
 SCHEMA = "jzero.hlo/2"
 LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}

@@ -26,10 +26,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jzero.config import AUTO_DP, Config, ConfigError, ShardingStrategy, ZeroPath, validate
-from jzero.mesh import AXES
+from jzero.config import Config, ConfigError, validate
+from jzero.mesh import AUTO_DP, AXES
 from jzero.train import loop
-from jzero.zero.state import TrainState
+from jzero.zero.common.state import TrainState
+from jzero.zero.config import ShardingStrategy, ZeroPath
 
 CPU = "cpu"
 GPUS_PER_HOST = 8  # the default topology's hosts (DGX/HGX H100 and A100)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jzero.zero.flat_plan import FlatBuffer, FlatPlan
+from jzero.zero.flat.plan import FlatBuffer, FlatPlan
 
 
 def describe(fp: FlatPlan) -> dict:

@@ -12,10 +12,10 @@ Two views of one compiled step (`compile.compile_step`), both per device:
                        owned shard under ZeRO-2 and ZeRO-3 (`Zero.grad_buffer_structs`). It
                        lives inside the step, so XLA may never materialise it whole: compare
                        `temp` below.
-  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `report.formula_split`;
+  beside Megatron's formula (docs/megatron.md, "Bytes per parameter"; `jzero.zero.memory.formula_split`;
   for ZeRO-3 the ZeRO paper's stage 3, everything / d), summed over the data-parallel domains:
   dense params sharded over d = dp_outer x dp x ep, a MoE's expert params (this rank's E/ep
-  experts) over edp = dp_outer x dp (`report.formula_domains`, the `formula_domains` of the
+  experts) over edp = dp_outer x dp (`jzero.zero.memory.formula_domains`, the `formula_domains` of the
   JSON); under HSDP what is sharded over the inner axes only is / d_i (`d_state`, `d_params`);
 - the compiled program (`memory_analysis()`): arguments (the state and the batch), outputs
   (the new state, aliased to the donated arguments), temp (activations, local grads,
@@ -25,8 +25,8 @@ Two views of one compiled step (`compile.compile_step`), both per device:
   counts host-memory allocations too, so the peak shown leaves them out.
 
 With `zero.offload_fraction` > 0 part of the main params and moments is in host memory
-(`jzero.zero.offload`): the state's `host` part is read from the shardings' memory kind, the
-formula's (`report.formula_host`) is its share of Megatron's, and the compiled program's host
+(`jzero.zero.common.offload`): the state's `host` part is read from the shardings' memory kind, the
+formula's (`jzero.zero.memory.formula_host`) is its share of Megatron's, and the compiled program's host
 arguments and outputs are its parameters and results in memory space S(5) (`pinned_host`) in
 the entry computation layout. XLA:GPU reports them in `memory_analysis()`'s host_* fields and
 leaves them out of the device figures; XLA:CPU (one memory) counts them in the device figures
@@ -39,13 +39,12 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 
 from jzero.inspect import hlo
 from jzero.inspect.comms import LABELS, count, header, human
 from jzero.inspect.compile import CPU, CompiledStep
-from jzero.train.report import formula_domains, formula_host, formula_split, shard_bytes
-from jzero.zero.offload import HOST
+from jzero.zero.common.offload import HOST
+from jzero.zero.memory import formula_domains, formula_host, formula_split, shard_bytes
 
 SCHEMA = "jzero.memory/1"
 PARTS = ("params", "main_params", "optimizer_moments", "grads")
@@ -60,7 +59,7 @@ def state_bytes(c: CompiledStep) -> dict:
         "params": shard_bytes(c.state.params),
         "main_params": 0 if opt.main_params is None else shard_bytes(opt.main_params),
         "optimizer_moments": shard_bytes(opt.inner_state),
-        "grads": shard_bytes(c.run.zero.grad_buffer_structs(jnp.dtype(c.cfg.precision.grad_reduce_dtype.value))),
+        "grads": shard_bytes(c.run.zero.grad_buffer_structs()),
     }
 
 
@@ -128,7 +127,7 @@ def compiled_bytes(c: CompiledStep) -> dict:
 def analyze(c: CompiledStep, memory_bytes: int | None) -> dict:
     """One strategy's memory document; `memory_bytes` is the device's memory (None on cpu)."""
     state, host, offload = state_bytes(c), host_state_bytes(c), c.run.zero.offload
-    formula, domains, formula_on_host = formula_split(c.run), formula_domains(c.run), formula_host(c.run)
+    formula, domains, formula_on_host = formula_split(c.run.zero), formula_domains(c.run.zero), formula_host(c.run.zero)
     compiled = compiled_bytes(c)
     return {
         "compile_s": round(c.compile_s, 3),

@@ -40,13 +40,14 @@ from jzero.inspect import hlo
 from jzero.inspect.hlo_module import Instr, Module, dims, ints
 
 CATEGORIES = ("local_grads", "reduced_grads", "activations", "attention", "backward", "other")
-# Functions of jzero's grad code (spec path: jzero/zero/step.py, `_unit_grads` ZeRO-2/3's; flat path:
-# jzero/zero/flat_step.py).
+# Functions of jzero's grad code, by qualified name (spec path: jzero/zero/spec/step.py, `_accumulated_grads`
+# DDP's and ZeRO-1's, `_unit_grads` ZeRO-2/3's; flat path: jzero/zero/flat/step.py's `FlatProgram`).
 GRAD_CODE = (
     "reduced_grads",
+    "_accumulated_grads",
     "_unit_grads",
-    "build_flat_step.<locals>.local_grad_buckets",
-    "build_flat_step.<locals>.grads_body",
+    "FlatProgram.local_grads",
+    "FlatProgram.grads",
 )
 _ALIAS = {"bitcast", "copy", "copy-done"}
 _REDUCTIONS = {"all-reduce", "reduce-scatter"}

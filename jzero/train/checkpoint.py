@@ -36,7 +36,7 @@ from jzero.errors import CheckpointError, RunError, one_line
 from jzero.train import ckpt_dir
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints
-from jzero.zero.state import TrainState, ZeroState
+from jzero.zero.common.state import TrainState, ZeroState
 
 
 class DamagedStep(CheckpointError):

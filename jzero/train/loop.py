@@ -19,15 +19,15 @@ import optax
 from jax.sharding import Mesh
 
 from jzero import multihost
-from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, resolve_mesh
+from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, loss_scale, resolve_mesh
 from jzero.errors import Preempted, RunError
 from jzero.mesh import make_mesh
 from jzero.train.data import data_identity, make_datasets
 from jzero.train.model import GPTModel
 from jzero.zero import Zero, build_zero, groups
-from jzero.zero.loss_scale import DynamicLossScale
-from jzero.zero.moments import store_state_in
-from jzero.zero.state import TrainState
+from jzero.zero.common.moments import store_state_in
+from jzero.zero.common.state import TrainState
+from jzero.zero.config import DynamicLossScale
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -65,10 +65,7 @@ def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def loss_scaling(cfg: Config) -> DynamicLossScale | None:
     """Megatron's dynamic loss scaling for float16 params (`precision.*loss_scale*`), else None."""
-    p = cfg.precision
-    if p.param_dtype != DType.FLOAT16:
-        return None
-    return DynamicLossScale(p.initial_loss_scale, p.min_loss_scale, p.loss_scale_window, p.hysteresis)
+    return loss_scale(cfg.precision) if cfg.precision.param_dtype == DType.FLOAT16 else None
 
 
 def param_groups(cfg: Config, model: GPTModel, abstract_params) -> Any:

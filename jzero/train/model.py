@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.config import MlpKind, ModelConfig, NormKind, PosKind
 from jzero.mesh import EP_AXIS
 from jzero.train import moe
-from jzero.zero import units
+from jzero.zero.common import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
 # Specs are right-aligned on the param's shape (the tp dim counted from the end), so the

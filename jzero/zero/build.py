@@ -16,21 +16,21 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError, ZeroConfig, ZeroPath
-from jzero.zero.batch import batch_sharding
-from jzero.zero.flat_convert import flat_to_model_space, model_space_to_flat
-from jzero.zero.flat_plan import FlatPlan, make_flat_plan
-from jzero.zero.flat_step import build_flat_step
-from jzero.zero.flat_step import opt_state_shardings as flat_opt_state_shardings
-from jzero.zero.loss_scale import DynamicLossScale
-from jzero.zero.offload import Offload, flat_offload, spec_offload
-from jzero.zero.optimizer import opt_state_shardings, zero_optimizer
-from jzero.zero.probe import check_elementwise, check_groups_read
-from jzero.zero.state import LossFn, TrainState, ZeroState, init_train_state
-from jzero.zero.step import build_evaluate, build_grads, build_train_step
-from jzero.zero.strategies import ShardingPlan, make_plan
+from jzero.errors import ConfigError
+from jzero.zero.common.batch import batch_sharding
+from jzero.zero.common.offload import Offload, spec_offload
+from jzero.zero.common.probe import check_elementwise, check_groups_read
+from jzero.zero.common.state import LossFn, TrainState, ZeroState, init_train_state
+from jzero.zero.common.strategies import ShardingPlan, make_plan
+from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPath
+from jzero.zero.flat.convert import flat_to_model_space, model_space_to_flat
+from jzero.zero.flat.offload import flat_offload
+from jzero.zero.flat.plan import FlatPlan, make_flat_plan
+from jzero.zero.flat.step import build_flat_step
+from jzero.zero.flat.step import opt_state_shardings as flat_opt_state_shardings
+from jzero.zero.spec.optimizer import opt_state_shardings
+from jzero.zero.spec.step import build_spec_step
 
 PyTree = Any
 
@@ -40,6 +40,9 @@ class Zero:
     """One ZeRO run, resolved.
 
     Attributes:
+      config: the ZeroConfig it was built with (strategy, path, buckets, reshard, HSDP, gather, offload).
+      options: the step's options it was built with (microbatches, grad reduce dtype, clipping,
+        loss scaling, has_aux): `build_zero`'s keyword arguments.
       plan: the per-tensor shardings (`strategies.ShardingPlan`).
       flat: Megatron's flat buffers on the flat path, None on the spec path.
       inner: the wrapped optax transformation.
@@ -58,21 +61,23 @@ class Zero:
       evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
         computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
         the same params and batch it is the step's "loss".
-      offload: which optimizer-state leaves live in host memory (`offload.py`; their
+      offload: which optimizer-state leaves live in host memory (`common/offload.py`; their
         `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
     """
 
+    config: ZeroConfig
+    options: StepOptions
     plan: ShardingPlan
     flat: FlatPlan | None
     inner: optax.GradientTransformation
     groups: PyTree | None
-    shardings: TrainState
+    model_opt_shardings: ZeroState
+    offload: Offload
+    shardings: TrainState  # these five: the path's `state.Programs`
     init_opt: Callable[[PyTree], ZeroState]
     step: Callable
     grads: Callable
-    model_opt_shardings: ZeroState
     evaluate: Callable
-    offload: Offload
 
     @property
     def mesh(self) -> Mesh:
@@ -96,13 +101,20 @@ class Zero:
         """Inverse of `to_model_space`; traceable."""
         return opt_state if self.flat is None else model_space_to_flat(self.flat, self.inner, opt_state)
 
-    def grad_buffer_structs(self, dtype) -> PyTree:
-        """The grad buffer the microbatches accumulate into, as sharded ShapeDtypeStructs in `dtype`.
+    @property
+    def keeps_main_params(self) -> bool:
+        """Whether the state holds fp32 main params beside the model params (`state.keeps_main_params`)."""
+        return self.model_opt_shardings.main_params is not None
+
+    def grad_buffer_structs(self, dtype=None) -> PyTree:
+        """The grad buffer the microbatches accumulate into, as sharded ShapeDtypeStructs in `dtype`
+        (default: the grad reduce dtype it was built with).
 
         Full local grads per device under DDP and ZeRO-1, the owned shard under ZeRO-2
         (`strategies.ShardingPlan.grad_buffer_shardings`; flat path: one array per bucket of
         every buffer, [tp, S_b] dense and [ep * tp, S_b] expert, `FlatPlan.bucket_specs`).
         """
+        dtype = self.options.grad_reduce_dtype if dtype is None else dtype
         if self.flat is not None:
             specs = self.flat.bucket_specs(sharded=self.plan.shards_grads)
             return [
@@ -148,11 +160,11 @@ def build_zero(
       mesh: the (dp_outer, dp, ep, tp) mesh (`jzero.mesh.make_mesh`).
       abstract_params: params or ShapeDtypeStructs (global shapes, model dtypes).
       tp_specs: same structure, each param's tensor-parallel PartitionSpec (P() if none).
-      zero: strategy, path and flat-buffer options.
+      zero: strategy, path and flat-buffer options (checked when it was built).
       is_expert: same structure, True for expert params (default: all dense).
       units: same structure, per param None (in no FSDP unit) or its number of leading
         stacked-layer dims: 0 for one block's param, 1 for a `scan`ned stack [L, ...]. The
-        loss must run each unit through `jzero.zero.units.unit` (`GPTModel.units` marks its
+        loss must run each unit through `jzero.zero.unit` (`GPTModel.units` marks its
         blocks). Under ZeRO-2/3 a unit's grads are then reduce-scattered as soon as its
         backward is done, and ZeRO-3 gathers its params just before it runs. Default: no
         units (ZeRO-3 gathers every param before the loss, ZeRO-2 reduces after backward).
@@ -162,10 +174,11 @@ def build_zero(
       grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
       has_aux: `loss_fn` returns (loss, metrics); the step's metrics then hold each one's
         mean over ranks and microbatches.
-      loss_scale: dynamic loss scaling (fp16 params; `loss_scale.DynamicLossScale`): the step
+      loss_scale: dynamic loss scaling (fp16 params; `DynamicLossScale`): the step
         differentiates loss x scale, unscales the reduced grads in fp32, skips the whole update
         when any is inf/nan, and reports `loss_scale` and `skipped`. None: off.
     """
+    options = StepOptions(microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux)
     if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
         raise ConfigError(
             "float16 params need loss scaling (their grads underflow without it): pass "
@@ -173,42 +186,21 @@ def build_zero(
         )
     plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
-    model_opt_sh = opt_state_shardings(inner, plan, loss_scale)
     quantized = zero.param_gather_dtype is not None
-    if quantized and (zero.path != ZeroPath.FLAT or not plan.shards_state):
-        raise ConfigError(
-            f"zero.param_gather_dtype={zero.param_gather_dtype.value} quantizes the flat path's all-gather of the "
-            "updated params: it needs zero.path=flat and a strategy other than no_shard"
-        )
-    if quantized and model_opt_sh.main_params is None:  # fp32 params: the model copy is no longer the main params
-        model_opt_sh = model_opt_sh._replace(main_params=plan.state_shardings())
+    model_opt_sh = opt_state_shardings(inner, plan, loss_scale, quantized)
+    flat = None
     if zero.path == ZeroPath.FLAT:
-        if plan.shards_params:
-            raise ConfigError(
-                "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
-                "per-unit buckets yet"
-            )
         flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
         check_elementwise(inner, plan, groups)  # before any layout of its state: the error names the transformation
         flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
         offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(
-            loss_fn, inner, flat, clip_grad=clip_grad, groups=groups, microbatches=microbatches,
-            grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux, loss_scale=loss_scale,
-            param_gather_dtype=zero.param_gather_dtype, offload=offload if offload.active else None,
+            loss_fn, inner, flat, options, groups=groups, param_gather_dtype=zero.param_gather_dtype,
+            offload=offload if offload.active else None,
         )  # fmt: skip
-        return Zero(
-            plan, flat, inner, groups, built.shardings, built.init_opt, built.step, built.grads, model_opt_sh,
-            built.evaluate, offload,
-        )  # fmt: skip
-    offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
-    optimizer = zero_optimizer(inner, plan, clip_grad, groups, loss_scale, offload if offload.active else None)
-    shardings = TrainState(plan.param_shardings(), offload.shardings(model_opt_sh), NamedSharding(mesh, P()))
-    kwargs = dict(
-        microbatches=microbatches, grad_reduce_dtype=grad_reduce_dtype, has_aux=has_aux,
-        reshard_after_forward=zero.reshard_after_forward,
-    )  # fmt: skip
-    step = build_train_step(loss_fn, optimizer, plan, shardings, **kwargs)
-    grads = build_grads(loss_fn, plan, **kwargs)
-    evaluate = build_evaluate(loss_fn, plan, **kwargs)
-    return Zero(plan, None, inner, groups, shardings, optimizer.init, step, grads, model_opt_sh, evaluate, offload)
+    else:
+        offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
+        built = build_spec_step(
+            loss_fn, inner, plan, zero, options, groups=groups, offload=offload, opt_shardings=model_opt_sh
+        )
+    return Zero(zero, options, plan, flat, inner, groups, model_opt_sh, offload, *built)

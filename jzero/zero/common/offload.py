@@ -38,9 +38,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jzero.zero.flat_plan import FlatPlan
-from jzero.zero.state import ZeroState
-from jzero.zero.strategies import ShardingPlan, path_name
+from jzero.zero.common.state import ZeroState
+from jzero.zero.common.strategies import ShardingPlan, path_name
 
 PyTree = Any
 HOST = "pinned_host"
@@ -126,14 +125,16 @@ class Offload:
         return jax.tree.map(lambda x, host: jax.device_put(x, space) if host else x, state, self.mask)
 
 
-def _mask(shardings: ZeroState, main: PyTree, inner: PyTree) -> ZeroState:
+def state_mask(shardings: ZeroState, main: PyTree, inner: PyTree) -> ZeroState:
     """A ZeroState of bools shaped like `shardings`: `main` for the main params (if kept), `inner` for
     the inner state, False elsewhere (the loss scaler)."""
     mask = jax.tree.map(lambda _: False, shardings)
     return mask._replace(main_params=None if shardings.main_params is None else main, inner_state=inner)
 
 
-def _offload(fraction: float, names: list[str], numels: list[int], mask_of, params_of) -> Offload:
+def make_offload(fraction: float, names: list[str], numels: list[int], mask_of, params_of) -> Offload:
+    """The `Offload` of units `names` (of `numels` elements per device) at `fraction`, by `choose`;
+    `mask_of(chosen)` gives its state mask, `params_of(unit)` the leaves indices of a unit's params."""
     chosen = choose(numels, fraction)
     return Offload(
         fraction=fraction,
@@ -168,33 +169,6 @@ def spec_offload(
             return bool(leaf.shape) and plan.param_of(tuple(path)) in host
 
         main = jax.tree.unflatten(jax.tree.structure(plan.tensors), chosen)
-        return _mask(shardings, main, jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
+        return state_mask(shardings, main, jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
 
-    return _offload(fraction, names, numels, mask_of, lambda u: (u,))
-
-
-def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, shardings: ZeroState, fraction: float) -> Offload:
-    """The flat path's `Offload`: whole buckets, in bucket order (module docstring); `shardings`: the
-    ZeroState's without offload (`flat_step.opt_state_shardings`).
-
-    A bucket's size is the elements one device steps (`FlatPlan.shard_size`). A state leaf belongs
-    to bucket b if it sits at index b of a per-bucket list (the flat path's layout,
-    `flat_step.opt_state_shardings`) and is not a scalar. A param lies in one bucket (Megatron's
-    buckets close after a param).
-    """
-    shard_sizes = [fp.shard_size(b) for b in range(fp.n_buckets)]
-    shards = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in shard_sizes]
-    abstract_inner = jax.eval_shape(inner.init, shards)
-
-    def mask_of(chosen):
-        def inner_leaf(path, leaf):
-            b = getattr(path[-1], "idx", None) if path else None
-            return bool(leaf.shape) and b is not None and b < len(chosen) and chosen[b]
-
-        return _mask(shardings, list(chosen), jax.tree_util.tree_map_with_path(inner_leaf, abstract_inner))
-
-    def params_of(b):
-        buf, local = fp.buckets[b]
-        return tuple(buf.params[j] for j in buf.layout.bucket_params[local])
-
-    return _offload(fraction, [f"bucket {b}" for b in range(fp.n_buckets)], shard_sizes, mask_of, params_of)
+    return make_offload(fraction, names, numels, mask_of, lambda u: (u,))

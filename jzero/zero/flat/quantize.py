@@ -35,7 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jzero.config import ParamGatherDType
+from jzero.zero.config import ParamGatherDType
 
 BLOCK = 2048  # elements per scale: ZeRO++'s weight-quantization group size
 QMAX = {ParamGatherDType.INT8: 127.0, ParamGatherDType.FLOAT8_E4M3FN: 448.0}

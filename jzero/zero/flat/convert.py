@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero.flat_plan import FlatPlan, assemble
-from jzero.zero.state import ZeroState
-from jzero.zero.strategies import spec_axes
+from jzero.zero.common.state import ZeroState
+from jzero.zero.common.strategies import spec_axes
+from jzero.zero.flat.plan import FlatPlan, assemble
 
 PyTree = Any
 

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jzero.config import ParamGroupRule
-from jzero.zero.strategies import path_name
+from jzero.zero.common.strategies import path_name
+from jzero.zero.config import ParamGroupRule
 
 PyTree = Any
 EXTRA_ARG = "param_groups"  # the name under which the multipliers reach `update`

@@ -27,13 +27,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import axes_size
-from jzero.zero import groups as groups_lib
-from jzero.zero import loss_scale as scaler
-from jzero.zero.loss_scale import DynamicLossScale
-from jzero.zero.offload import Offload
-from jzero.zero.state import ZeroState, keeps_main_params
-from jzero.zero.strategies import ShardingPlan, TensorPlan, choose_shard_dim
-from jzero.zero.update import clip_by_global_norm, inner_update, model_copy
+from jzero.zero.common import groups as groups_lib
+from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common.offload import Offload
+from jzero.zero.common.state import ZeroState, keeps_main_params
+from jzero.zero.common.strategies import ShardingPlan, TensorPlan, choose_shard_dim
+from jzero.zero.common.update import finish, model_copy, optimizer_step
+from jzero.zero.config import DynamicLossScale
 
 PyTree = Any
 
@@ -90,10 +90,14 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
 
 
 def opt_state_shardings(
-    inner: optax.GradientTransformation, plan: ShardingPlan, loss_scale: DynamicLossScale | None = None
+    inner: optax.GradientTransformation,
+    plan: ShardingPlan,
+    loss_scale: DynamicLossScale | None = None,
+    quantized_gather: bool = False,
 ) -> ZeroState:
-    """The NamedShardings of the spec path's `ZeroState` (also the model-space layout of checkpoints)."""
-    keep_main = keeps_main_params(jax.tree.leaves(plan.tensors))
+    """The NamedShardings of the spec path's `ZeroState` (also the model-space layout of checkpoints,
+    where a flat path's `quantized_gather` keeps main params: `state.keeps_main_params`)."""
+    keep_main = keeps_main_params(jax.tree.leaves(plan.tensors), quantized_gather)
     return ZeroState(
         plan.state_shardings() if keep_main else None,
         inner_state_shardings(inner, plan),
@@ -154,23 +158,17 @@ def zero_optimizer(
     def step(grads, state, params):
         if offload is not None:
             state, grads = offload.to_device(state, after=grads)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grads = _constrain(grads, state_sh)  # each rank reads the shard it owns
-        if loss_scale is not None:
-            grads = scaler.unscale(grads, state.grad_scaler.loss_scale)
-            skip = scaler.found_inf(grads)
-        grads, norm = clip_by_global_norm(grads, clip_grad)
+        grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state_sh)  # each rank's shard
         main = state.main_params if keep_main else _constrain(params, state_sh)
-        updates, inner_state = inner_update(inner, grads, state.inner_state, main, values)
-        main = _constrain(optax.apply_updates(main, updates), state_sh)
-        inner_state = _constrain(inner_state, inner_sh)
+        update = optimizer_step(
+            inner, grads, main, state, global_norm=optax.tree.norm, nonfinite=scaler.found_inf,
+            clip_grad=clip_grad, loss_scale=loss_scale, groups=values,
+        )  # fmt: skip
+        main = _constrain(update.main, state_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
-        new_state = ZeroState(main if keep_main else None, inner_state)
-        metrics = {"grad_norm": norm}
-        if loss_scale is not None:
-            guarded = scaler.guard_step(loss_scale, skip, norm, params, state, new_params, new_state)
-            new_params, new_state, metrics = guarded
+        new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))
+        new_params, new_state, metrics = finish(loss_scale, update, params, state, new_params, new_state)
         return new_params, new_state if offload is None else offload.to_host(new_state), metrics
 
     return ZeroOptimizer(init, step)

@@ -31,16 +31,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
-from jzero.zero.batch import batch_sharding, split_batch
-from jzero.zero.loss_scale import scaled_loss
-from jzero.zero.optimizer import ZeroOptimizer
-from jzero.zero.state import LossFn, TrainState, with_metrics
-from jzero.zero.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.units import Hook, UnitParam, materialize
+from jzero.zero.common.batch import batch_sharding, split_batch
+from jzero.zero.common.loss_scale import scaled_loss
+from jzero.zero.common.offload import Offload
+from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, with_metrics
+from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
+from jzero.zero.common.units import Hook, UnitParam, materialize
+from jzero.zero.config import StepOptions, ZeroConfig
+from jzero.zero.spec.optimizer import zero_optimizer
 
 PyTree = Any
 
@@ -88,10 +91,10 @@ def unit_view(params: PyTree, sinks: PyTree, hooks: PyTree, plan: ShardingPlan) 
     return jax.tree.map(wrap, params, sinks, hooks, plan.tensors)
 
 
-def _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs, loss_scale):
+def _unit_grads(loss_metrics, params, mbs, plan, hooks, options, loss_scale):
     """ZeRO-2/3 (module docstring): (losses [M, n_dp], metrics, grads summed over the microbatches,
     each grad the rank's shard of the DP-reduced grad, in `plan.grad_shardings()`)."""
-    mesh = plan.mesh
+    mesh, reduce_dtype, ep_kwargs = plan.mesh, options.grad_reduce_dtype, _ep_kwargs(plan)
     grad_sh = plan.grad_shardings()
     sink_specs = jax.tree.map(lambda t: restrict(t.zero_spec, BATCH_AXES), plan.tensors)
 
@@ -132,9 +135,7 @@ def reduced_grads(
     params: PyTree,
     batch: PyTree,
     plan: ShardingPlan,
-    microbatches: int,
-    reduce_dtype: jnp.dtype,
-    has_aux: bool = False,
+    options: StepOptions,
     reshard_after_forward: bool = True,
     loss_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, dict, PyTree]:
@@ -146,28 +147,44 @@ def reduced_grads(
 
     Args:
       batch: leaves `[B, ...]`, B split over the dense DP domain.
+      options: microbatches, the grad reduce dtype, has_aux.
       loss_scale: fp16's loss scale (a scalar): the grads are those of loss x loss_scale
-        (`loss_scale.py`); the loss and metrics returned are not scaled. None: no scaling.
+        (`common/loss_scale.py`); the loss and metrics returned are not scaled. None: no scaling.
     Returns:
-      (loss, metrics, grads): grads in `reduce_dtype`, sharded like `plan.grad_shardings()`.
+      (loss, metrics, grads): grads in the grad reduce dtype, sharded like `plan.grad_shardings()`.
     """
     mesh = plan.mesh
-    n_dp = axes_size(mesh, BATCH_AXES)
-    scale = 1.0 / (n_dp * microbatches)  # Megatron's gradient_scaling_factor, dense and expert alike
-    local_sh = plan.local_grad_shardings()
-    grad_sh = plan.grad_shardings()
-    loss_metrics = with_metrics(loss_fn, has_aux)
-    ep_kwargs = {"ep_axis": EP_AXIS} if plan.splits_ep else {}
-    mbs = split_batch(batch, n_dp, microbatches)
+    mbs = split_batch(batch, axes_size(mesh, BATCH_AXES), options.microbatches)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
-
-    def means(loss, metrics):
-        return jnp.mean(loss), jax.tree.map(jnp.mean, metrics)
-
+    loss_metrics = with_metrics(loss_fn, options.has_aux)
     if plan.shards_grads:
-        hooks = unit_hooks(plan, scale, reduce_dtype, reshard_after_forward)
-        losses, metrics, g = _unit_grads(loss_metrics, params, mbs, plan, hooks, reduce_dtype, ep_kwargs, loss_scale)
-        return *means(losses, metrics), g
+        hooks = unit_hooks(plan, _grad_scale(plan, options), options.grad_reduce_dtype, reshard_after_forward)
+        losses, metrics, g = _unit_grads(loss_metrics, params, mbs, plan, hooks, options, loss_scale)
+    else:
+        losses, metrics, g = _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale)
+    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics), g
+
+
+def _grad_scale(plan: ShardingPlan, options: StepOptions) -> float:
+    """Megatron's gradient_scaling_factor 1 / (dense DP size x microbatches), dense and expert alike."""
+    return 1.0 / (axes_size(plan.mesh, BATCH_AXES) * options.microbatches)
+
+
+def _ep_kwargs(plan: ShardingPlan) -> dict:
+    return {"ep_axis": EP_AXIS} if plan.splits_ep else {}
+
+
+def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale):
+    """DDP and ZeRO-1 (module docstring): (losses, metrics, grads) with the local grads accumulated over
+    the microbatches and reduced once, after the last."""
+    mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
+    scale, ep_kwargs = _grad_scale(plan, options), _ep_kwargs(plan)
+    local_sh, grad_sh = plan.local_grad_shardings(), plan.grad_shardings()
+    param_specs = jax.tree.map(lambda t: restrict(t.tp_spec, BATCH_AXES), plan.tensors)
+    # Per param, the DP axes it enters replicated over (all of them but ep for an expert weight).
+    invariant = jax.tree.map(
+        lambda s: tuple(a for a in BATCH_AXES if a not in spec_axes(s)), param_specs, is_leaf=_is_spec
+    )
 
     def rank_grads(params, mb, loss_scale):  # one rank's [1, b, ...] rows -> [1] loss and metrics, [1, *shape] grads
         # DP-varying, so autodiff gives local grads (an expert param already varies over ep).
@@ -178,11 +195,6 @@ def reduced_grads(
         g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype)[None], g)
         return loss[None], jax.tree.map(lambda m: m[None], metrics), g
 
-    param_specs = jax.tree.map(lambda t: restrict(t.tp_spec, BATCH_AXES), plan.tensors)
-    # Per param, the DP axes it enters replicated over (all of them but ep for an expert weight).
-    invariant = jax.tree.map(
-        lambda s: tuple(a for a in BATCH_AXES if a not in spec_axes(s)), param_specs, is_leaf=_is_spec
-    )
     stacked = P(BATCH_AXES)
     local_grads_fn = jax.shard_map(
         rank_grads,
@@ -201,20 +213,19 @@ def reduced_grads(
         summed = jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=reduce_dtype), g)
         return jax.tree.map(jax.lax.with_sharding_constraint, summed, grad_sh)
 
-    if microbatches == 1:
+    if options.microbatches == 1:
         loss, metrics, g = local_grads(jax.tree.map(lambda x: x[0], mbs))
-        return *means(loss, metrics), reduce(g)
+        return loss, metrics, reduce(g)
 
-    # DDP / ZeRO-1: accumulate local grads, reduce once.
-    def body(acc, mb):
+    def body(acc, mb):  # the per-microbatch means, as the step has always averaged them
         loss, metrics, g = local_grads(mb)
-        return jax.tree.map(jnp.add, acc, g), means(loss, metrics)
+        return jax.tree.map(jnp.add, acc, g), (jnp.mean(loss), jax.tree.map(jnp.mean, metrics))
 
     acc0 = jax.tree.map(
         lambda t, s: _zeros((axes_size(mesh, t.dp_axes), *t.shape), reduce_dtype, s), plan.tensors, local_sh
     )
     acc, (losses, metrics) = jax.lax.scan(body, acc0, mbs)
-    return *means(losses, metrics), reduce(acc)
+    return losses, metrics, reduce(acc)
 
 
 def _is_spec(x) -> bool:
@@ -225,86 +236,56 @@ def _zeros(shape, dtype, sharding):
     return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
-def build_train_step(
+def build_spec_step(
     loss_fn: LossFn,
-    optimizer: ZeroOptimizer,
+    inner: optax.GradientTransformation,
     plan: ShardingPlan,
-    state_shardings: TrainState,
+    config: ZeroConfig,
+    options: StepOptions,
     *,
-    microbatches: int = 1,
-    grad_reduce_dtype: jnp.dtype = jnp.float32,
-    has_aux: bool = False,
-    reshard_after_forward: bool = True,
-) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
-    """A jitted `step(state, batch) -> (state, metrics)` with pinned in/out shardings.
+    groups: PyTree | None,
+    offload: Offload,
+    opt_shardings: ZeroState,
+) -> Programs:
+    """The spec path's shardings, optimizer init, jitted step, grads and evaluate (`state.Programs`).
 
     Args:
-      loss_fn: (params, batch) -> scalar mean loss over the batch; pure, model-agnostic.
-      optimizer: from `zero_optimizer`.
-      plan: the run's shardings.
-      state_shardings: a TrainState of NamedShardings.
-      microbatches: gradient accumulation steps.
-      grad_reduce_dtype: dtype of the grad buffer and its DP reduction.
-      has_aux: `loss_fn` returns (loss, metrics dict), as in `jax.value_and_grad`.
-      reshard_after_forward: ZeRO-3: gather each unit's params again for its backward.
-    Returns:
-      step; `batch` leaves are `[B, ...]` split over the dense DP domain; the state is
-      donated. metrics: {"loss", "grad_norm"} (the norm before clipping), with loss scaling
-      {"loss_scale", "skipped"} (`ZeroOptimizer`), and the loss's own.
+      loss_fn: (params, batch) -> scalar mean loss over the batch (with `options.has_aux`: (loss,
+        metrics)); on global, tp-split params under jit.
+      inner: any optax transformation, wrapped by `optimizer.zero_optimizer`.
+      config: the ZeRO config (`reshard_after_forward` is read here).
+      groups: per param a `groups.ParamGroup`, or None.
+      offload: the params whose state lives in host memory between steps (`common/offload.py`).
+      opt_shardings: the ZeroState's shardings without offload (`optimizer.opt_state_shardings`).
     """
+    optimizer = zero_optimizer(
+        inner, plan, options.clip_grad, groups, options.loss_scale, offload if offload.active else None
+    )
+    shardings = TrainState(plan.param_shardings(), offload.shardings(opt_shardings), NamedSharding(plan.mesh, P()))
+    reshard = config.reshard_after_forward
 
     def step(state: TrainState, batch: PyTree):
         scaler = state.opt_state.grad_scaler
-        loss, metrics, grads = reduced_grads(
-            loss_fn, state.params, batch, plan, microbatches, grad_reduce_dtype, has_aux, reshard_after_forward,
-            loss_scale=None if scaler is None else scaler.loss_scale,
-        )  # fmt: skip
+        loss_scale = None if scaler is None else scaler.loss_scale
+        loss, metrics, grads = reduced_grads(loss_fn, state.params, batch, plan, options, reshard, loss_scale)
         params, opt_state, opt_metrics = optimizer.step(grads, state.opt_state, state.params)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
 
-    replicated = NamedSharding(plan.mesh, P())
-    return jax.jit(
-        step,
-        in_shardings=(state_shardings, batch_sharding(plan.mesh)),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=0,
+    replicated, batch_sh = NamedSharding(plan.mesh, P()), batch_sharding(plan.mesh)
+    step_jit = jax.jit(
+        step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0
     )
-
-
-def build_grads(
-    loss_fn: LossFn,
-    plan: ShardingPlan,
-    *,
-    microbatches: int = 1,
-    grad_reduce_dtype: jnp.dtype = jnp.float32,
-    has_aux: bool = False,
-    reshard_after_forward: bool = True,
-) -> Callable[[PyTree, PyTree], PyTree]:
-    """A jitted `grads(params, batch)`: the reduced grads alone, in `plan.grad_shardings()`.
-
-    The step never keeps grads past the optimizer; this exposes them (same code as
-    the step) so their per-device size and sharding can be measured.
-    """
-
-    def grads(params, batch):
-        args = (microbatches, grad_reduce_dtype, has_aux, reshard_after_forward)
-        return reduced_grads(loss_fn, params, batch, plan, *args)[2]
-
-    return jax.jit(
-        grads,
-        in_shardings=(plan.param_shardings(), batch_sharding(plan.mesh)),
+    grads_jit = jax.jit(
+        lambda params, batch: reduced_grads(loss_fn, params, batch, plan, options, reshard)[2],
+        in_shardings=(plan.param_shardings(), batch_sh),
         out_shardings=plan.grad_shardings(),
     )
+    evaluate = build_evaluate(loss_fn, plan, options, reshard)
+    return Programs(shardings, optimizer.init, step_jit, grads_jit, evaluate)
 
 
 def build_evaluate(
-    loss_fn: LossFn,
-    plan: ShardingPlan,
-    *,
-    microbatches: int = 1,
-    grad_reduce_dtype: jnp.dtype = jnp.float32,
-    has_aux: bool = False,
-    reshard_after_forward: bool = True,
+    loss_fn: LossFn, plan: ShardingPlan, options: StepOptions, reshard_after_forward: bool = True
 ) -> Callable[[PyTree, PyTree], dict]:
     """A jitted `evaluate(params, batch) -> {"loss", **metrics}`: the step's forward, without grads.
 
@@ -314,15 +295,14 @@ def build_evaluate(
     The result is the mean over ranks and microbatches, the step's "loss" for the same params and
     batch; replicated.
     """
-    mesh = plan.mesh
-    n_dp = axes_size(mesh, BATCH_AXES)
-    loss_metrics = with_metrics(loss_fn, has_aux)
-    ep_kwargs = {"ep_axis": EP_AXIS} if plan.splits_ep else {}
-    hooks = unit_hooks(plan, 1.0, grad_reduce_dtype, reshard_after_forward) if plan.shards_grads else None
+    mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
+    loss_metrics = with_metrics(loss_fn, options.has_aux)
+    ep_kwargs = _ep_kwargs(plan)
+    hooks = unit_hooks(plan, 1.0, reduce_dtype, reshard_after_forward) if plan.shards_grads else None
 
     def rank_loss(params, mb):  # one rank's [1, b, ...] rows -> its [1] loss and metrics
         if hooks is not None:  # no grads: a sink only needs the stacked dims a scan over the layers slices
-            sinks = jax.tree.map(lambda t: jnp.zeros(t.shape[: t.unit_dims or 0], grad_reduce_dtype), plan.tensors)
+            sinks = jax.tree.map(lambda t: jnp.zeros(t.shape[: t.unit_dims or 0], reduce_dtype), plan.tensors)
             params = unit_view(params, sinks, hooks, plan)
         loss, metrics = loss_metrics(params, jax.tree.map(lambda x: x[0], mb), **ep_kwargs)
         return loss[None], jax.tree.map(lambda m: m[None], metrics)
@@ -334,7 +314,7 @@ def build_evaluate(
     )
 
     def evaluate(params, batch):
-        mbs = split_batch(batch, n_dp, microbatches)  # [M, n_dp, b, ...]
+        mbs = split_batch(batch, axes_size(mesh, BATCH_AXES), options.microbatches)  # [M, n_dp, b, ...]
         mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
         losses, metrics = jax.lax.map(lambda mb: losses_fn(params, mb), mbs)  # [M, n_dp]
         return {"loss": jnp.mean(losses), **jax.tree.map(jnp.mean, metrics)}

@@ -48,8 +48,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError, OuterStrategy, ShardingStrategy
+from jzero.errors import ConfigError
 from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, axes_size, dp_axes
+from jzero.zero.config import OuterStrategy, ShardingStrategy
 
 PyTree = Any
 

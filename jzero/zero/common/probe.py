@@ -23,10 +23,10 @@ import numpy as np
 import optax
 from jax.extend.core import Literal
 
-from jzero.config import ConfigError
-from jzero.zero.groups import GroupValues, ParamGroup, group_leaves, per_param_values
-from jzero.zero.strategies import ShardingPlan, path_name
-from jzero.zero.update import inner_update
+from jzero.errors import ConfigError
+from jzero.zero.common.groups import GroupValues, ParamGroup, group_leaves, per_param_values
+from jzero.zero.common.strategies import ShardingPlan, path_name
+from jzero.zero.common.update import inner_update
 
 PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ConfigError
+from jzero.errors import ConfigError
 from jzero.mesh import AXES, DENSE_DP_AXES, EP_AXIS, EXPERT_DP_AXES, TP_AXIS, axes_size
-from jzero.zero.buffers import Layout, build_layout
-from jzero.zero.strategies import ShardingPlan, spec_axes
+from jzero.zero.common.strategies import ShardingPlan, spec_axes
+from jzero.zero.flat.buffers import Layout, build_layout
 
 PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)

@@ -40,6 +40,21 @@ class TrainState(NamedTuple):
     step: jax.Array
 
 
+class Programs(NamedTuple):
+    """What each path builds for `build.build_zero` (the `Zero` fields of the same names).
+
+    shardings: a TrainState of NamedShardings. init_opt: params -> ZeroState, called under jit.
+    step: jitted (state, batch) -> (state, metrics). grads: jitted (params, batch) -> the reduced
+    grads. evaluate: jitted (params, batch) -> {"loss", **metrics}, the step's forward without grads.
+    """
+
+    shardings: TrainState
+    init_opt: Callable
+    step: Callable
+    grads: Callable
+    evaluate: Callable
+
+
 def with_metrics(loss_fn: LossFn, has_aux: bool) -> Callable[..., tuple[jax.Array, dict]]:
     """`loss_fn` as (params, batch, **axes) -> (loss, metrics): metrics is the dict of scalars a
     `has_aux` loss returns beside its loss (each averaged over ranks and microbatches by the step),
@@ -49,9 +64,11 @@ def with_metrics(loss_fn: LossFn, has_aux: bool) -> Callable[..., tuple[jax.Arra
     return lambda *args, **kwargs: (loss_fn(*args, **kwargs), {})
 
 
-def keeps_main_params(abstract_params: PyTree) -> bool:
-    """Megatron keeps fp32 main params only when some model param is not fp32."""
-    return any(jnp.dtype(p.dtype) != jnp.float32 for p in jax.tree.leaves(abstract_params))
+def keeps_main_params(abstract_params: PyTree, quantized_gather: bool = False) -> bool:
+    """Whether the state holds fp32 main params beside the model params: Megatron keeps them only when
+    some model param is not fp32; jzero also keeps them under a quantized param gather
+    (`ZeroConfig.param_gather_dtype`), whose model copy is no longer the main params."""
+    return quantized_gather or any(jnp.dtype(p.dtype) != jnp.float32 for p in jax.tree.leaves(abstract_params))
 
 
 def init_train_state(

@@ -19,7 +19,6 @@ scalars, kept in `ZeroState.grad_scaler` and saved with the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -27,29 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero.state import ZeroState
+from jzero.zero.common.state import ZeroState
+from jzero.zero.config import DynamicLossScale
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
-    """How the loss scale moves (Megatron's `DynamicGradScaler` arguments)."""
-
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000  # finite steps before the scale grows (growth_interval)
-    hysteresis: int = 2  # inf/nan steps before the first backoff
-    backoff_factor: float = 0.5
-    growth_factor: float = 2.0
-
-    def __post_init__(self):
-        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
-            raise ValueError(f"need 0 < min_loss_scale <= initial_loss_scale, got {self}")
-        if not (0 < self.backoff_factor < 1 < self.growth_factor):
-            raise ValueError(f"need 0 < backoff_factor < 1 < growth_factor, got {self}")
-        if self.loss_scale_window < 1 or self.hysteresis < 1:
-            raise ValueError(f"loss_scale_window and hysteresis must be >= 1, got {self}")
 
 
 class LossScaleState(NamedTuple):

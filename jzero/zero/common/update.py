@@ -1,0 +1,131 @@
+"""The optimizer step both paths share, once the reduced grads are in hand: `optimizer_step`, then `finish`.
+
+Megatron's `DistributedOptimizer.step` in order: unscale fp16's grads and check them for inf/nan,
+take the global norm and clip by it, step the inner optimizer on the fp32 main params (or on the
+fp32 params themselves), cast the result back to the model's dtype (`model_copy`), and under loss
+scaling keep the old state where an inf/nan skipped the step (`finish`). The paths differ only in
+the layout of what they pass in (per parameter, or one array per flat bucket shard), in how they
+compute the norm and the inf/nan flag over the ranks (XLA over sharded arrays, or explicit psums
+over buffer shards), and in how the new params travel back (a sharding constraint, or an all_gather
+per bucket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common.groups import EXTRA_ARG, GroupValues
+from jzero.zero.common.state import ZeroState
+from jzero.zero.config import DynamicLossScale
+
+PyTree = Any
+
+
+class Update(NamedTuple):
+    """What `optimizer_step` computed, laid out as its inputs (per param, or per bucket shard).
+
+    main: the updated fp32 main params; inner_state: the inner transformation's new state;
+    norm: the global grad norm before clipping; skip: under loss scaling, True where an inf/nan
+    in the grads skips the step (None without loss scaling).
+    """
+
+    main: PyTree
+    inner_state: optax.OptState
+    norm: jax.Array
+    skip: jax.Array | None
+
+
+def optimizer_step(
+    inner: optax.GradientTransformation,
+    grads: PyTree,
+    main: PyTree,
+    state: ZeroState,
+    *,
+    global_norm: Callable[[PyTree], jax.Array],
+    nonfinite: Callable[[PyTree], jax.Array],
+    clip_grad: float | None,
+    loss_scale: DynamicLossScale | None,
+    groups: GroupValues | None,
+) -> Update:
+    """Megatron's `DistributedOptimizer.step` on one rank's fp32 grads and main params (module docstring).
+
+    Arguments:
+      grads: the reduced fp32 grads, laid out like `main` (of the loss x the scale under loss scaling).
+      main: the fp32 main params the rank steps (its shards; the fp32 params when none are kept).
+      state: the ZeroState whose `inner_state` (and `grad_scaler`) the step reads.
+      global_norm: grads -> the norm over every element once, across all ranks.
+      nonfinite: grads -> whether any element on any rank is inf or nan (loss scaling only).
+      groups: the param groups' multipliers laid out like `grads`, or None.
+    """
+    skip = None
+    if loss_scale is not None:
+        grads = scaler.unscale(grads, state.grad_scaler.loss_scale)
+        skip = nonfinite(grads)
+    norm = global_norm(grads)
+    if clip_grad is not None:
+        coeff = clip_coefficient(norm, clip_grad)
+        grads = jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads)
+    updates, inner_state = inner_update(inner, grads, state.inner_state, main, groups)
+    return Update(optax.apply_updates(main, updates), inner_state, norm, skip)
+
+
+def finish(
+    loss_scale: DynamicLossScale | None,
+    update: Update,
+    params: PyTree,
+    state: ZeroState,
+    new_params: PyTree,
+    new_state: ZeroState,
+) -> tuple[PyTree, ZeroState, dict]:
+    """The step's (params, state, metrics): the new ones and {"grad_norm"}; under loss scaling the old
+    params and state where `update.skip`, the scaler updated, and {"loss_scale", "skipped"} too
+    (`loss_scale.guard_step`)."""
+    if loss_scale is None:
+        return new_params, new_state, {"grad_norm": update.norm}
+    return scaler.guard_step(loss_scale, update.skip, update.norm, params, state, new_params, new_state)
+
+
+def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
+    """Megatron's clipping factor `min(1, max_norm / (norm + 1e-6))` (docs/megatron.md)."""
+    return jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
+def clip_by_global_norm(grads: PyTree, max_norm: float | None) -> tuple[PyTree, jax.Array]:
+    """(grads scaled by `clip_coefficient`, the norm before clipping); max_norm None: no clipping.
+
+    On sharded grads XLA sums the squares of each shard and all-reduces them, so the norm
+    equals the unsharded one.
+    """
+    norm = optax.tree.norm(grads)
+    if max_norm is None:
+        return grads, norm
+    coeff = clip_coefficient(norm, max_norm)
+    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm
+
+
+def inner_update(
+    inner: optax.GradientTransformation,
+    grads: PyTree,
+    inner_state: optax.OptState,
+    main: PyTree,
+    groups: GroupValues | None,
+) -> tuple[PyTree, optax.OptState]:
+    """The inner transformation's (updates, new state) for the fp32 main params; the caller adds
+    the updates to the main params (`optax.apply_updates`).
+
+    `groups` (laid out like `grads`) reaches the inner transformation as the extra argument
+    `param_groups`; transformations that do not take extra arguments never see it.
+    """
+    extra = {} if groups is None else {EXTRA_ARG: groups}
+    return optax.with_extra_args_support(inner).update(grads, inner_state, main, **extra)
+
+
+def model_copy(main: PyTree, dtypes: PyTree) -> PyTree:
+    """Megatron's `_copy_main_params_to_model_params`: the main params cast to each param's dtype."""
+    return jax.tree.map(lambda m, d: m.astype(d), main, dtypes)

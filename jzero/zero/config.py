@@ -1,0 +1,193 @@
+"""The library's configuration: which ZeRO stage, how its collectives are made, loss scaling, param-group rules.
+
+Each type checks itself once, when it is constructed, and raises one `ConfigError` naming the
+field (spelled as the CLI's `zero.*` / `precision.*` keys); nothing downstream checks again.
+The CLI's config (`jzero.config`) composes these types. This module imports no JAX, so a
+config can be read before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+
+import numpy as np
+
+from jzero.errors import ConfigError
+
+
+class ShardingStrategy(str, enum.Enum):
+    """Megatron's `data_parallel_sharding_strategy`: what is sharded over the DP domain."""
+
+    NO_SHARD = "no_shard"  # DDP: everything replicated, grads all-reduced
+    OPTIM = "optim"  # ZeRO-1: optimizer state + fp32 main params sharded
+    OPTIM_GRADS = "optim_grads"  # ZeRO-2: ... and the reduced gradients
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
+
+
+class OuterStrategy(str, enum.Enum):
+    """Megatron-FSDP's `outer_dp_sharding_strategy`: what HSDP shards across the `dp_outer` replicas."""
+
+    NO_SHARD = "no_shard"  # each replica holds the whole (inner-sharded) state; grads all-reduced across
+    OPTIM = "optim"  # the optimizer state and fp32 main params are also sharded across the replicas
+
+
+class ZeroPath(str, enum.Enum):
+    """How the data-parallel collectives are produced."""
+
+    SPEC = "spec"  # sharding specs; XLA emits the collectives
+    FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
+
+
+class ParamGatherDType(str, enum.Enum):
+    """The flat path's param all-gather in one byte per element (ZeRO++ qwZ, Megatron's fp8_param_gather):
+    each rank quantizes its updated shard blockwise, scales absmax/127 or absmax/448 (`flat/quantize.py`)."""
+
+    INT8 = "int8"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+
+
+def _enum(key: str, cls: type[enum.Enum], value) -> enum.Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)
+        raise ConfigError(f"{key}={value!r} is not one of: {choices}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """Which ZeRO stage, and how its collectives are produced (the CLI's `zero:` section).
+
+    Enum fields also take their string values (`ZeroConfig("optim", "flat")`).
+    """
+
+    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS
+    path: ZeroPath = ZeroPath.SPEC
+    bucket_size: int | None = None  # elements per flat bucket; None = one bucket per buffer
+    pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
+    reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
+    outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
+    # Flat path: all-gather the updated params in this dtype, a scale per 2048-element block of each
+    # rank's shard; the fp32 main params stay exact (kept even for fp32 params). None = param_dtype.
+    param_gather_dtype: ParamGatherDType | None = None
+    # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
+    # steps, whole params (spec) or buckets (flat) in order (`common/offload.py`); 0 = none.
+    offload_fraction: float = 0.0
+
+    def __post_init__(self):
+        for key, cls in (("strategy", ShardingStrategy), ("path", ZeroPath), ("outer_strategy", OuterStrategy)):
+            object.__setattr__(self, key, _enum(f"zero.{key}", cls, getattr(self, key)))
+        if self.param_gather_dtype is not None:
+            dtype = _enum("zero.param_gather_dtype", ParamGatherDType, self.param_gather_dtype)
+            object.__setattr__(self, "param_gather_dtype", dtype)
+        if self.bucket_size is not None and not self.bucket_size > 0:
+            raise ConfigError(f"zero.bucket_size={self.bucket_size} must be positive")
+        if not 0.0 <= self.offload_fraction <= 1.0:  # NaN too
+            raise ConfigError(f"zero.offload_fraction={self.offload_fraction} must be in [0, 1]")
+        if self.param_gather_dtype is not None:
+            name = self.param_gather_dtype.value
+            if self.path != ZeroPath.FLAT:
+                raise ConfigError(
+                    f"zero.param_gather_dtype={name} needs zero.path=flat (the spec path's gathers are XLA's)"
+                )
+            if self.strategy == ShardingStrategy.NO_SHARD:
+                raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
+        if self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and self.path == ZeroPath.FLAT:
+            raise ConfigError(
+                "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
+                "per-unit buckets yet"
+            )
+
+    @property
+    def shards_state(self) -> bool:
+        """Every strategy but no_shard splits the optimizer state over DP."""
+        return self.strategy != ShardingStrategy.NO_SHARD
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+
+    @property
+    def shards_params(self) -> bool:
+        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """How fp16's loss scale moves (Megatron's `DynamicGradScaler` arguments; `common/loss_scale.py`).
+
+    The first four are the CLI's `precision.*` keys of the same names.
+    """
+
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # finite steps before the scale grows (growth_interval)
+    hysteresis: int = 2  # inf/nan steps before the first backoff
+    backoff_factor: float = 0.5
+    growth_factor: float = 2.0
+
+    def __post_init__(self):
+        for key in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+            value = getattr(self, key)
+            if not value > 0 or not math.isfinite(value):  # NaN too
+                raise ConfigError(f"{key}={value} must be positive")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(
+                f"min_loss_scale={self.min_loss_scale} must be <= initial_loss_scale={self.initial_loss_scale}"
+            )
+        if not 0 < self.backoff_factor < 1 < self.growth_factor:
+            raise ConfigError(
+                f"need 0 < backoff_factor < 1 < growth_factor, got {self.backoff_factor} and {self.growth_factor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a ZeRO step runs, beside its `ZeroConfig`: `build_zero`'s keyword arguments, which `Zero`
+    carries (`Zero.options`) so nothing downstream reads a config again.
+
+    microbatches: gradient accumulation steps per step. grad_reduce_dtype: the dtype of the grad
+    buffer and its DP reduction. clip_grad: Megatron's global-norm clipping across shards, None =
+    off. loss_scale: fp16's dynamic loss scaling, None = off. has_aux: the loss returns (loss, metrics).
+    """
+
+    microbatches: int = 1
+    grad_reduce_dtype: np.dtype = np.dtype(np.float32)
+    clip_grad: float | None = None
+    loss_scale: DynamicLossScale | None = None
+    has_aux: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "grad_reduce_dtype", np.dtype(self.grad_reduce_dtype))
+        if not self.microbatches >= 1:
+            raise ConfigError(f"microbatches={self.microbatches} must be >= 1")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ConfigError(f"clip_grad={self.clip_grad} must be positive (None = no clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroupRule:
+    """Multipliers for the params whose name matches `pattern` (Megatron's param groups).
+
+    A param's lr is `optimizer.lr * lr_mult` and its weight decay `optimizer.weight_decay *
+    wd_mult`; a rule sets only the multipliers it gives, and later rules win.
+    """
+
+    pattern: str  # regular expression searched in the param's name, e.g. "tok_emb" or "blocks/.*/bias"
+    lr_mult: float | None = None  # None = keep
+    wd_mult: float | None = None  # None = keep (adamw only)
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"pattern={self.pattern!r} is not a regular expression: {e}") from None
+        for key in ("lr_mult", "wd_mult"):
+            value = getattr(self, key)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{key}={value} must be a finite number")
+            if value is not None and not value >= 0:
+                raise ConfigError(f"{key}={value} must be >= 0")

@@ -1,0 +1,75 @@
+"""The flat path's collectives on one device's buckets, inside a shard_map over the whole mesh.
+
+Per bucket, over that bucket's DP domain (dp_outer x dp x ep for a dense bucket, dp_outer x dp
+for an expert bucket; `FlatBuffer`):
+
+  reduce:  a psum_scatter over the inner DP axes; under HSDP then a psum_scatter across dp_outer
+           (outer_strategy optim: the state is split there too) or a psum (no_shard). Rank r of
+           the domain keeps its shard `[r*S/d, (r+1)*S/d)`. Under DDP a psum over the whole domain.
+  gather:  the inverse layout: an all_gather across dp_outer (if split there), then the inner axes.
+  norm:    the global grad norm, every element counted once across dp, ep and tp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jzero.zero.common import loss_scale as scaler
+from jzero.zero.flat.plan import FlatBuffer, FlatPlan, values_on_shard
+
+
+def reduce_bucket(buf: FlatBuffer, g: jax.Array) -> jax.Array:
+    """A bucket's DP reduction: [S_b] local grads -> the owned [S_b/d] shard (all [S_b] under DDP)."""
+    if not buf.sharded:
+        return jax.lax.psum(g, buf.dp_axes)
+    g = jax.lax.psum_scatter(g, buf.inner_axes, scatter_dimension=0, tiled=True)
+    if not buf.outer_axes:
+        return g
+    if set(buf.outer_axes) <= set(buf.shard_axes):
+        return jax.lax.psum_scatter(g, buf.outer_axes, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(g, buf.outer_axes)
+
+
+def reduce(fp: FlatPlan, buckets: Sequence[jax.Array]) -> list[jax.Array]:
+    """`reduce_bucket` for every plan bucket."""
+    return [reduce_bucket(buf, g) for (buf, _), g in zip(fp.buckets, buckets)]
+
+
+def gather_bucket(buf: FlatBuffer, m: jax.Array) -> jax.Array:
+    """Inverse of the sharded reduction's layout: the owned [S_b/d] shard -> the whole [S_b] bucket."""
+    if not buf.sharded:
+        return m
+    if set(buf.outer_axes) & set(buf.shard_axes):
+        m = jax.lax.all_gather(m, buf.outer_axes, tiled=True)
+    return jax.lax.all_gather(m, buf.inner_axes, tiled=True)
+
+
+def bucket_ranks(fp: FlatPlan) -> list[jax.Array]:
+    """Per plan bucket, this device's rank in that bucket's DP domain (`FlatBuffer.shard_axes`)."""
+    ranks = {buf.kind: jax.lax.axis_index(buf.shard_axes) for buf in fp.buffers}
+    return [ranks[buf.kind] for buf, _ in fp.buckets]
+
+
+def on_shards(fp: FlatPlan, per_param: Sequence[float], ranks: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per-param constants (leaves order) laid out like each bucket's owned shard (`values_on_shard`)."""
+    return [values_on_shard(buf, b, per_param, r) for (buf, b), r in zip(fp.buckets, ranks)]
+
+
+def global_norm(fp: FlatPlan, grads: Sequence[jax.Array], ranks: Sequence[jax.Array]) -> jax.Array:
+    """Every element once across dp, ep and tp: each bucket's sums of squares (its tp-split and its
+    tp-replicated elements apart) summed over the axes its elements are distinct on
+    (`FlatBuffer.norm_axes`), as Megatron's `get_grad_norm_fp32` counts tp duplicates once."""
+    squares: dict[tuple[str, ...], jax.Array] = {}
+    for (buf, _), g, split in zip(fp.buckets, grads, on_shards(fp, fp.tp_sharded, ranks)):
+        for weight, axes in ((split, buf.norm_axes(tp_split=True)), (1 - split, buf.norm_axes(tp_split=False))):
+            squares[axes] = squares.get(axes, 0.0) + jnp.sum(g * g * weight)
+    return jnp.sqrt(sum(jax.lax.psum(sq, axes) if axes else sq for axes, sq in squares.items()))
+
+
+def any_nonfinite(grads: Sequence[jax.Array], mesh_axes: tuple[str, ...]) -> jax.Array:
+    """Whether any element of any rank's grads is inf or nan: one flag for the whole step (a pmax over
+    every mesh axis), so all ranks skip a loss-scaled step together."""
+    return jax.lax.pmax(scaler.found_inf(grads).astype(jnp.int32), mesh_axes) > 0

@@ -1,0 +1,325 @@
+"""The flat path's step (`zero.path: flat`): Megatron's bucketed psum_scatter / all_gather in shard_map.
+
+Per bucket of the flat buffers (`plan.py`), over that bucket's DP domain (dp_outer x dp x ep
+for a dense bucket, dp_outer x dp for an expert bucket; the collectives are `collectives.py`'s):
+
+  ZeRO-2 (optim_grads): psum_scatter every microbatch; rank r of the domain keeps its
+      shard `[r*S/d, (r+1)*S/d)`, so only the shard is ever accumulated.
+  HSDP (dp_outer > 1): the psum_scatter runs over the inner DP axes, then a psum across
+      dp_outer (outer_strategy no_shard: d = the inner size) or a second psum_scatter there
+      (optim: rank r = inner rank x dp_outer + outer rank); the updated shards are
+      all-gathered back in the reverse order.
+  ZeRO-1 (optim): the full local bucket accumulates over microbatches (Megatron's
+      grad buffer), then one psum_scatter after the last: DDP's wire bytes.
+  DDP (no_shard): the full local bucket accumulates, then one psum.
+
+Expert grads need no reduction over ep: the loss moves tokens to the experts' ranks and
+back (all_to_all over ep), so a rank's expert grads already hold every ep rank's tokens.
+Every grad, dense and expert, is scaled by 1 / (dense DP size x microbatches), as Megatron does.
+
+The inner optax transformation steps on the owned fp32 shards, with the param groups'
+multipliers laid out like them (`plan.values_on_shard`), by the update both paths share
+(`common/update.py`); the updated shards are cast
+to the param dtype and all_gathered per bucket back into the params (with
+`param_gather_dtype`: quantized blockwise to one byte and gathered with their scales,
+`quantize.py`). Only element-wise transformations mean the same on a shard as on the params:
+`common/probe.check_elementwise` refuses the others when `build.build_zero` builds the step.
+
+`FlatProgram` holds the per-device programs (each runs inside a shard_map over the whole mesh);
+`build_flat_step` wraps them in shard_map and jit.
+
+Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
+main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
+[ep * tp, S_b] expert, in `FlatPlan.bucket_specs()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzero.errors import ConfigError
+from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
+from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common.batch import batch_sharding, split_batch
+from jzero.zero.common.groups import GroupValues, group_leaves
+from jzero.zero.common.offload import Offload
+from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, keeps_main_params, with_metrics
+from jzero.zero.common.strategies import spec_axes
+from jzero.zero.common.update import finish, model_copy, optimizer_step
+from jzero.zero.config import DynamicLossScale, ParamGatherDType, StepOptions
+from jzero.zero.flat import collectives
+from jzero.zero.flat.plan import FlatPlan, flatten, owned, unflatten
+from jzero.zero.flat.quantize import gather_quantized
+
+PyTree = Any
+
+
+def opt_state_shardings(
+    inner: optax.GradientTransformation,
+    fp: FlatPlan,
+    loss_scale: DynamicLossScale | None = None,
+    quantized: bool = False,
+) -> ZeroState:
+    """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
+    scalars (and the loss scaler's) replicated. Main params are kept as `state.keeps_main_params` says
+    (a `quantized` gather keeps them for fp32 params too)."""
+    mesh = fp.plan.mesh
+    bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
+    shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
+
+    def sharding(path, leaf):
+        if not leaf.shape:
+            return NamedSharding(mesh, P())
+        b = getattr(path[-1], "idx", None) if path else None  # the state of bucket b sits at [..., b]
+        if len(leaf.shape) == 1 and b is not None and b < fp.n_buckets and leaf.shape[0] == fp.shard_size(b):
+            return bucket_sh[b]
+        raise ConfigError(
+            f"zero.path=flat: optimizer state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} is neither a "
+            "scalar nor shaped like a buffer shard; use zero.path=spec"
+        )
+
+    inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
+    keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors), quantized)
+    return ZeroState(
+        bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh)
+    )
+
+
+def _specs(shardings: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def _squeeze(tree: PyTree) -> PyTree:
+    """A state tree as shard_map hands it to one device, [1, S] per bucket -> [S] (scalars as they are)."""
+    return jax.tree.map(lambda x: x[0] if x.ndim else x, tree)
+
+
+def _unsqueeze(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: x[None] if x.ndim else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatProgram:
+    """The flat path's per-device programs; each runs inside a shard_map over the whole mesh.
+
+    Attributes:
+      loss_fn: the user's loss, as (params, batch, **axes) -> (loss, metrics) (`state.with_metrics`).
+      inner: the element-wise optax transformation stepped on the owned shards.
+      fp: the flat buffers.
+      options: microbatches, grad reduce dtype, clipping, loss scaling.
+      groups: per param its `ParamGroup` (leaves order), or None.
+      gather_dtype: the quantized param all-gather's dtype, or None.
+      keep_main: whether the state holds fp32 main params (`state.keeps_main_params`).
+      axis_kwargs: the mesh axes the loss is told of: `tp_axis` if tp splits a param, `ep_axis`
+        if ep does.
+    """
+
+    loss_fn: Callable
+    inner: optax.GradientTransformation
+    fp: FlatPlan
+    options: StepOptions
+    groups: tuple | None
+    gather_dtype: ParamGatherDType | None
+    keep_main: bool
+    axis_kwargs: dict
+
+    @property
+    def tensors(self) -> list:
+        return jax.tree.leaves(self.fp.plan.tensors)
+
+    @property
+    def param_dtype(self):
+        return self.tensors[0].dtype  # the flat path holds one param dtype (`plan.make_flat_plan`)
+
+    def local_grads(self, params: PyTree, mb: PyTree, loss_scale: jax.Array | None):
+        """((loss, metrics), this rank's grads of one microbatch as [S_b] buckets, scaled by 1 / (d x M))."""
+        # Params are invariant over their DP domain; differentiating them directly would make AD
+        # insert the DP all-reduce itself (the transpose of the implicit cast to varying). Casting
+        # them to DP-varying first gives this rank's local grads, which the buckets then reduce.
+        # (An expert param already varies over ep, its only batch axis outside its DP domain.)
+        leaves = [jax.lax.pcast(p, t.dp_axes, to="varying") for p, t in zip(jax.tree.leaves(params), self.tensors)]
+        params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        loss = scaler.scaled_loss(self.loss_fn, loss_scale)
+        (_, (loss, metrics)), g = jax.value_and_grad(loss, has_aux=True)(params, mb, **self.axis_kwargs)
+        o = self.options
+        scale = 1.0 / (self.fp.d * o.microbatches)  # the dense DP size, for expert grads too (Megatron's)
+        g = [(x.astype(jnp.float32) * scale).astype(o.grad_reduce_dtype) for x in jax.tree.leaves(g)]
+        return (loss, metrics), flatten(self.fp, g, o.grad_reduce_dtype)
+
+    def rank_microbatches(self, batch: PyTree) -> PyTree:
+        """This rank's rows -> its microbatches [M, b, ...]."""
+        return jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, self.options.microbatches))
+
+    def grads(self, params: PyTree, batch: PyTree, loss_scale: jax.Array | None = None):
+        """((loss, metrics) averaged over DP and microbatches, the reduced grad buckets): the owned shards
+        [1, S_b/d], full [1, S_b] under DDP (of the loss times `loss_scale`, if given).
+
+        ZeRO-2 reduce-scatters every microbatch, so only the owned shard accumulates; DDP and
+        ZeRO-1 accumulate the full local buckets and reduce once, after the last (Megatron's).
+        """
+        fp, every = self.fp, self.fp.plan.shards_grads
+        mbs = self.rank_microbatches(batch)
+        # The first microbatch seeds the accumulator (so it has the carry's sharding type).
+        first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
+        means, acc = self.local_grads(params, first, loss_scale)
+        acc = collectives.reduce(fp, acc) if every else acc
+
+        def body(acc, mb):
+            means, g = self.local_grads(params, mb, loss_scale)
+            return [a + x for a, x in zip(acc, collectives.reduce(fp, g) if every else g)], means
+
+        if self.options.microbatches > 1:
+            acc, rest_means = jax.lax.scan(body, acc, rest)
+            means = jax.tree.map(lambda m, r: (m + r.sum()) / self.options.microbatches, means, rest_means)
+        reduced = acc if every else collectives.reduce(fp, acc)
+        return jax.lax.pmean(means, BATCH_AXES), [r[None] for r in reduced]
+
+    def main_shards(self, params: PyTree, opt_state: ZeroState, ranks) -> list[jax.Array]:
+        """The fp32 main params this rank steps: the kept ones, or its shards of the fp32 params."""
+        if self.keep_main:
+            return [m[0] for m in opt_state.main_params]
+        full = flatten(self.fp, jax.tree.leaves(params), jnp.float32)
+        return [owned(buf, x, r) for (buf, _), x, r in zip(self.fp.buckets, full, ranks)]
+
+    def group_values(self, ranks) -> GroupValues | None:
+        if self.groups is None:
+            return None
+        return GroupValues(
+            collectives.on_shards(self.fp, [g.lr_mult for g in self.groups], ranks),
+            collectives.on_shards(self.fp, [g.wd_mult for g in self.groups], ranks),
+        )
+
+    def gather_params(self, main: list[jax.Array]) -> list[jax.Array]:
+        """All-gather each updated bucket shard over its DP domain in the param dtype (or quantized,
+        `quantize.gather_quantized`) into the local params (leaves order)."""
+        fp, dtype = self.fp, self.param_dtype
+        if self.gather_dtype is None:
+            local = model_copy(main, [dtype] * fp.n_buckets)
+            gathered = [collectives.gather_bucket(buf, m) for (buf, _), m in zip(fp.buckets, local)]
+        else:
+            gathered = [
+                gather_quantized(m, functools.partial(collectives.gather_bucket, buf), self.gather_dtype, dtype)
+                for (buf, _), m in zip(fp.buckets, main)
+            ]
+        return unflatten(fp, gathered, [t.dtype for t in self.tensors])
+
+    def update(self, params: PyTree, opt_state: ZeroState, grads: list[jax.Array]):
+        """The optimizer step on this rank's shards (`update.optimizer_step`), then the param all-gather:
+        (new params, new ZeroState, metrics)."""
+        fp, o = self.fp, self.options
+        ranks = collectives.bucket_ranks(fp)
+        mesh_axes = tuple(fp.plan.mesh.axis_names)
+        state = opt_state._replace(inner_state=_squeeze(opt_state.inner_state))
+        step = optimizer_step(
+            self.inner, [g[0].astype(jnp.float32) for g in grads], self.main_shards(params, opt_state, ranks), state,
+            global_norm=lambda g: collectives.global_norm(fp, g, ranks),
+            nonfinite=lambda g: collectives.any_nonfinite(g, mesh_axes),
+            clip_grad=o.clip_grad, loss_scale=o.loss_scale, groups=self.group_values(ranks),
+        )  # fmt: skip
+        new_params = jax.tree.unflatten(jax.tree.structure(params), self.gather_params(step.main))
+        new_main = [m[None] for m in step.main] if self.keep_main else None
+        new_state = ZeroState(new_main, _unsqueeze(step.inner_state))
+        return finish(o.loss_scale, step, params, opt_state, new_params, new_state)
+
+    def init(self, params: PyTree) -> ZeroState:
+        """The optimizer state from the params: this rank's fp32 shards and the inner state on them."""
+        full = flatten(self.fp, jax.tree.leaves(params), jnp.float32)
+        ranks = collectives.bucket_ranks(self.fp)
+        main = [owned(buf, x, r) for (buf, _), x, r in zip(self.fp.buckets, full, ranks)]
+        loss_scale = self.options.loss_scale
+        grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
+        kept = [m[None] for m in main] if self.keep_main else None
+        return ZeroState(kept, _unsqueeze(self.inner.init(main)), grad_scaler)
+
+    def evaluate(self, params: PyTree, batch: PyTree) -> dict:
+        """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP."""
+        run = lambda mb: self.loss_fn(params, mb, **self.axis_kwargs)  # noqa: E731
+        loss, metrics = jax.lax.map(run, self.rank_microbatches(batch))
+        return jax.lax.pmean({"loss": jnp.mean(loss), **jax.tree.map(jnp.mean, metrics)}, BATCH_AXES)
+
+
+def build_flat_step(
+    loss_fn: LossFn,
+    inner: optax.GradientTransformation,
+    fp: FlatPlan,
+    options: StepOptions,
+    *,
+    groups: PyTree | None = None,
+    param_gather_dtype: ParamGatherDType | None = None,
+    offload: Offload | None = None,
+) -> Programs:
+    """The flat path's shardings, optimizer init, jitted step, grads and evaluate.
+
+    Args:
+      loss_fn: (params, local batch) -> mean loss, on tp- and ep-local params; if a tp spec
+        splits any param it is called with `tp_axis=` the mesh's tp axis and must sum its
+        row-parallel outputs over it (Megatron's `g` operator); if some param is split over
+        ep (expert weights) also with `ep_axis=` the mesh's ep axis, over which it sends
+        tokens to their experts' ranks and back.
+      inner: an element-wise optax transformation (`build.build_zero` checks it with `probe.check_elementwise`).
+      options: microbatches, grad reduce dtype, clipping, loss scaling, has_aux.
+      groups: per param a `groups.ParamGroup`, or None.
+      param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
+        (`quantize.gather_quantized`) instead of in the param dtype; None: the param dtype.
+      offload: the buckets whose state lives in host memory between steps (`flat/offload.py`),
+        or None; the step copies them to device memory around the update.
+    """
+    mesh, plan = fp.plan.mesh, fp.plan
+    tensors = jax.tree.leaves(plan.tensors)
+    opt_sh = opt_state_shardings(inner, fp, options.loss_scale, quantized=param_gather_dtype is not None)
+    shardings = TrainState(
+        plan.param_shardings(), opt_sh if offload is None else offload.shardings(opt_sh), NamedSharding(mesh, P())
+    )
+    axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
+    if plan.splits_ep:
+        axis_kwargs["ep_axis"] = EP_AXIS
+    program = FlatProgram(
+        with_metrics(loss_fn, options.has_aux), inner, fp, options,
+        None if groups is None else tuple(group_leaves(groups)), param_gather_dtype,
+        opt_sh.main_params is not None, axis_kwargs,
+    )  # fmt: skip
+    param_specs, opt_specs, reduce_specs = _specs(shardings.params), _specs(opt_sh), fp.bucket_specs()
+    grads_fn = jax.shard_map(
+        program.grads, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P()), out_specs=((P(), P()), reduce_specs)
+    )
+    # check_vma=False: the output params of tp-replicated tensors are identical on every tp
+    # rank by construction (their grads were summed over tp above), which vma typing
+    # cannot see through the concatenated buffer. Gradients are taken in grads_fn,
+    # which keeps check_vma on (docs/xla.md, "shard_map and check_vma").
+    update_fn = jax.shard_map(
+        program.update, mesh=mesh, in_specs=(param_specs, opt_specs, reduce_specs),
+        out_specs=(param_specs, opt_specs, P()), check_vma=False,
+    )  # fmt: skip
+    init_opt = jax.shard_map(program.init, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs, check_vma=False)
+    eval_fn = jax.shard_map(program.evaluate, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES)), out_specs=P())
+
+    def step(state: TrainState, batch):
+        grad_scaler = state.opt_state.grad_scaler
+        (loss, metrics), grads = grads_fn(state.params, batch, None if grad_scaler is None else grad_scaler.loss_scale)
+        opt_state = state.opt_state
+        if offload is not None:
+            opt_state, grads = offload.to_device(opt_state, after=grads)
+        params, opt_state, opt_metrics = update_fn(state.params, opt_state, grads)
+        opt_state = opt_state if offload is None else offload.to_host(opt_state)
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
+
+    replicated, batch_sh = NamedSharding(mesh, P()), batch_sharding(mesh)
+    step_jit = jax.jit(
+        step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0
+    )
+    grads_jit = jax.jit(
+        lambda params, batch: grads_fn(params, batch, None)[1],
+        in_shardings=(shardings.params, batch_sh),
+        out_shardings=[NamedSharding(mesh, spec) for spec in reduce_specs],
+    )
+    eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    return Programs(shardings, init_opt, step_jit, grads_jit, eval_jit)
