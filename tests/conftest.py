@@ -1,5 +1,8 @@
 """Every test runs on 8 simulated CPU devices (set once, before JAX starts).
 
+`-m "not slow"` is the fast subset (under 3 minutes on 2 cores): the `slow` tests (subprocess and
+multi-process runs, deviceless GPU compiles) and all but the first case of each `matrix` are left out.
+
 The single-device references (`helpers.reference_run`) are computed once per session and shared
 by the pytest-xdist workers through a directory the controlling process makes (its environment
 is the workers') and removes when it exits; so are compiled programs (JAX's compilation cache).
@@ -26,5 +29,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked `matrix` keeps its first case in the fast subset (`-m "not slow"`) and marks the
+    others `slow`: the fast subset runs each code path once, the full suite every case."""
+    seen = set()
+    for item in items:
+        if item.get_closest_marker("matrix") is None:
+            continue
+        key = (item.path, item.originalname)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "run.py"
 
 
+@pytest.mark.slow
 def test_bench_runs_and_its_baseline_matches_jzero(tmp_path):
     cmd = [sys.executable, str(BENCH), "--models", "smoke", "--only", "hand-shard_map", "--warmup", "1", "--steps", "1",
            "--out", str(tmp_path)]  # fmt: skip

@@ -72,6 +72,7 @@ def copy_without_last(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
     root, rows = base
     ck = copy_without_last(root / "ck", tmp_path / "ck")
@@ -84,6 +85,7 @@ def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
     assert saved_steps(ck) == [3, 6]  # the resumed run kept checkpointing there
 
 
+@pytest.mark.slow
 def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
     """optim_grads flat dp=8 -> optim spec dp=4 tp=2 -> no_shard dp=1 (one device, a new process)."""
     root, rows = base
@@ -100,6 +102,7 @@ def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in more], [r["loss"] for r in uninterrupted[6:]], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_offloaded_state_restores_into_host_memory_and_saves_what_no_offload_saves(base, tmp_path):
     """The run resumed from step 3 with all its optimizer state in host memory (zero.offload_fraction=1;
     jit refuses state arrays in another memory than its shardings') trains bitwise as the run without
@@ -262,6 +265,7 @@ def _without_compilation_cache() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     """A write limit (as from a full disk) makes the first save fail: exit 2, one line, no hang."""
     args = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=50, checkpoint__dir=tmp_path / "ck",
@@ -278,6 +282,7 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     assert len(metrics(tmp_path / "o")) < 50
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_path):
     """The requeue pattern: a job script that always passes --resume starts fresh the first time."""
     ck, out = tmp_path / "ck", tmp_path / "o"
@@ -303,6 +308,7 @@ def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_pat
     assert [r["step"] for r in metrics(out)] == list(range(1, last + 2))
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     ck = tmp_path / "ck"
     args = ["train", "--out", str(tmp_path / "o"), *TINY]

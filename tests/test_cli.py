@@ -81,6 +81,7 @@ def test_cli_process_exit_code_and_no_traceback():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_and_summary(tmp_path, capsys):
     argv = ["train", "--out", str(tmp_path), "--quiet"]
     argv += ["--set", "train.steps=4", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
@@ -99,6 +100,7 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
 
 
+@pytest.mark.slow
 def test_moe_one_liner_reports_its_routing(tmp_path, capsys):
     """README's MoE run (shortened): metrics gain aux_loss and dropped_frac, the summary a MoE line."""
     argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=3", "--set", "data.kind=synthetic"]

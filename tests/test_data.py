@@ -249,7 +249,7 @@ def test_prepare_writes_the_text_files_as_byte_documents(tmp_path, capsys):
 
 
 def test_prepare_with_a_tokenizers_file(tmp_path, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = pytest.importorskip("tokenizers", reason="needs the [data] extra: pip install -e '.[data]'")
     vocab = {"[UNK]": 0, "hello": 1, "world": 2}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -278,6 +278,7 @@ def test_prepare_bad_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     assert needle in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_megatron_data_trains_with_validation_and_resumes_the_same(tmp_path):
     """`jzero data prepare` -> the training loop on the prefix: `val_loss` in metrics.jsonl every eval_every steps
     and at the last; a run resumed after step 2 (from that step's state) sees the same batches and validation

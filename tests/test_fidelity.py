@@ -59,11 +59,13 @@ def assert_matches_reference(cfg, devices=None) -> list[dict]:
 
 
 @pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))
+@pytest.mark.matrix
 def test_matches_single_device_optax(strategy, mesh, microbatches, path):
     assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero={"path": path}))
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.slow
 def test_tied_embeddings_match(path):
     cfg = tiny_config("optim_grads", (4, 1, 2), 2, model={"tie_embeddings": True}, zero={"path": path})
     assert_matches_reference(cfg)
@@ -78,18 +80,21 @@ def test_tied_embeddings_match(path):
         ("optim_grads", (3, 1, 2), 2, "flat"),
     ],
 )
+@pytest.mark.slow
 def test_dp_not_a_power_of_two(strategy, mesh, microbatches, path):
     """dp = 3 or 6 on 6 of the 8 devices: buckets padded to lcm(dp, 128), sizes that do not divide dp."""
     cfg = tiny_config(strategy, mesh, microbatches, zero={"path": path}, train={"global_batch": 12})
     assert_matches_reference(cfg, devices=jax.devices()[:6])
 
 
+@pytest.mark.slow
 def test_flat_multi_bucket_matches():
     cfg = tiny_config("optim_grads", (4, 1, 2), 2, zero={"path": "flat", "bucket_size": 5000})
     assert_matches_reference(cfg)
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.slow
 def test_param_group_rules_match(path):
     """Megatron's param groups with per-name rules: plain optax runs one optax.adamw per group."""
     rules = [
@@ -110,6 +115,7 @@ def test_param_group_rules_match(path):
     ],
     ids=["zero3-hsdp-scan-spec", "zero2-tp2-flat", "zero1-moe-ep2-spec"],
 )
+@pytest.mark.matrix
 def test_validation_loss_matches_single_device(strategy, mesh, dp_outer, microbatches, path, model):
     """`Zero.evaluate` (the loop's validation loss) is the single-device loss of the same params on the same
     batch: the loss run per rank and microbatch as each path's step runs it, without grads."""

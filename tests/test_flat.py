@@ -46,6 +46,7 @@ def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
 
 
 @pytest.mark.parametrize("microbatches", [1, 4])
+@pytest.mark.matrix
 def test_zero1_reduce_scatters_once_with_ddp_wire_bytes(microbatches):
     """Megatron's distributed optimizer: the full local buffer accumulates, one reduce-scatter after
     the last microbatch, one all-gather: DDP's all-reduce bytes (fp32 grads and params)."""
@@ -69,6 +70,7 @@ def test_zero1_reduce_scatters_once_with_ddp_wire_bytes(microbatches):
 
 
 @pytest.mark.parametrize("dtype, main_bytes", [("float32", 0), ("bfloat16", 4)])
+@pytest.mark.matrix
 def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes):
     zero = {"path": "flat", "bucket_size": 7000}
     cfg = tiny_config("optim_grads", (8, 1, 1), zero=zero, precision={"param_dtype": dtype})
@@ -81,6 +83,7 @@ def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes)
     assert owned >= fp.layout.owned_numel(0)
 
 
+@pytest.mark.slow
 def test_flat_refuses_non_elementwise_optimizers():
     cfg = tiny_config()
     run = setup(cfg)
@@ -160,6 +163,7 @@ def test_moe_has_a_dense_and_an_expert_buffer_each_padded_for_its_dp_size():
     assert [b.kind for b in setup(tiny_config(zero={"path": "flat"}), with_data=False).zero.flat.buffers] == ["dense"]
 
 
+@pytest.mark.slow
 def test_expert_state_per_device_is_one_edp_th_of_the_local_experts():
     run = _moe_run("optim", (2, 2, 2), num_experts=4, zero={"bucket_size": 3000})
     fp = run.zero.flat
@@ -179,6 +183,7 @@ def test_expert_state_per_device_is_one_edp_th_of_the_local_experts():
     assert expert.layout.numel - local_experts < 64 * len(expert.params) + 128 * expert.n_buckets  # gaps, padding
 
 
+@pytest.mark.slow
 def test_expert_state_round_trips_through_model_space():
     """to_model_space(from_model_space(x)) == x for any model-space state (every expert, tp-split
     and tp-replicated params), and the fp32 main params the flat init laid out per device read back

@@ -47,6 +47,7 @@ def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **s
     ],
     ids=["dp8", "dp4-tp2-scan", "dp2-ep2-tp2-moe"],
 )
+@pytest.mark.matrix
 def test_zero3_matches_single_device_optax(mesh, model, microbatches):
     # reshard_after_forward: false, and a model's own units: test_user_model_units_match_plain_optax
     assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model))
@@ -64,6 +65,7 @@ def test_zero3_matches_single_device_optax(mesh, model, microbatches):
         ("optim_grads", (2, 2, 1), 1, "optim", "flat"),  # MoE: the expert buffer's inner domain is dp
     ],
 )
+@pytest.mark.matrix
 def test_hsdp_matches_single_device_optax(strategy, mesh, microbatches, outer, path):
     model = {"moe": MOE} if mesh[1] > 1 else {}
     assert_matches_reference(hsdp_config(strategy, mesh, microbatches, outer, zero={"path": path}, model=model))
@@ -89,6 +91,7 @@ def stack_loss(params, batch):  # batch [B, 9]: 8 features + target
 
 
 @pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.slow
 def test_user_model_units_match_plain_optax(reshard):
     """`units` marks the stacked layer params ([L, ...]: one unit per layer); the step gathers each
     layer's slice in the scan and reduce-scatters its grads there, and trains like plain optax."""
@@ -189,6 +192,7 @@ def _restore_matches(directory, whole, cfg, steps=2, train=False):
         assert np.isfinite(float(m["loss"]))
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_zero3_hsdp_and_the_other_stages(tmp_path):
     """A ZeRO-3 (4, 1, 2) checkpoint restores onto HSDP ZeRO-3 optim (2 x 2 x tp 2), which trains on.
     Checkpoints are in model space, so any stage restores onto any other (the flat path's side of

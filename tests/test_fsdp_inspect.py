@@ -63,6 +63,7 @@ def assert_theory(doc):
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.matrix
 def test_unit_collectives_per_step_are_the_theory(strategy):
     """8 CPU devices, dp=8: ZeRO-2 reduce-scatters each unit's grads in the layer loop, ZeRO-3 also
     gathers each unit's params there, twice (reshard_after_forward); explicit psum_scatter and
@@ -88,6 +89,7 @@ def test_unit_collectives_per_step_are_the_theory(strategy):
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
+@pytest.mark.slow
 def test_hsdp_reduces_inner_then_across_dp_outer(outer):
     """ZeRO-3 on dp_outer=2 x dp=4: grads reduce-scatter over dp (d_i=4), then across dp_outer the
     1/d_i that is left is all-reduced (no_shard) or reduce-scatted (optim); params gather over dp,
@@ -146,6 +148,7 @@ def test_zero3_formula_with_16_bit_grads_is_the_zero_papers():
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_deviceless_h100_zero3_gathers_bf16_per_unit_and_fits():
     """8 H100s, bf16 params: ZeRO-3's per-unit gathers move bf16 (no f32 as on CPU) and the step moves
     the theory's bytes; `jzero memory`'s state is the formula, 18 P/d, and fits."""

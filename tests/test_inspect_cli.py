@@ -54,6 +54,7 @@ def test_target_choices_are_the_shipped_targets():
     assert set(TARGET_CHOICES) == {"cpu", *TARGETS}
 
 
+@pytest.mark.slow
 def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     """Flat path on 8 CPU devices: the DP collectives move exactly Megatron's padded buffer."""
     from jzero.inspect.compile import setup_without_data
@@ -99,6 +100,7 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     assert "reduce-scatter" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_spec_path_on_cpu_shows_all_reduce_for_zero1(tmp_path, capsys):
     """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-1's grads (left
     to XLA by the spec path) with all-reduce + slice. (ZeRO-2/3 reduce-scatter per unit explicitly, in
@@ -116,6 +118,7 @@ def test_spec_path_on_cpu_shows_all_reduce_for_zero1(tmp_path, capsys):
     assert "measured/theory 1.50" in out and "no reduce-scatter" in out
 
 
+@pytest.mark.slow
 def test_memory_state_split_matches_formula(tmp_path):
     """bf16 params on 8 CPU devices: the laid-out state is Megatron's 2 + 4/d + 8/d (+ 4 or 4/d)."""
     out = tmp_path / "memory.json"
@@ -188,6 +191,7 @@ def test_dp_minus_one_fills_the_gpu_topology(topology, n, dp):
 
 @needs_cuda
 @pytest.mark.parametrize("microbatches", [1, 4])
+@pytest.mark.slow
 def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
     """8 H100s, spec path: ZeRO-1 and ZeRO-2 reduce-scatter the grads (no full-gradient all-reduce)
     and, with fp32 params, move what DDP's all-reduce moves (docs/megatron.md, "Bytes on the
@@ -211,6 +215,7 @@ def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_deviceless_h100_memory_fits(tmp_path):
     out = tmp_path / "memory.json"
     argv = ["memory", "--target", "h100", "--strategies", "optim_grads", "--json", str(out)]

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
 
 
+@pytest.mark.slow
 def test_scan_and_remat_are_the_same_model():
     """Stacked params are the loop's params; loss and grads agree to fp32 rounding (XLA fuses
     the scanned / rematerialised forward differently, so sums re-associate)."""
@@ -50,6 +51,7 @@ def test_scan_and_remat_are_the_same_model():
         jax.tree.map(close, layer[1], grads["blocks"][i])
 
 
+@pytest.mark.slow
 def test_gqa_rope_attention_matches_a_naive_reference():
     """Head h = g * R + r reads kv group g; rope in LLaMA's rotate-half form."""
     cfg = ModelConfig(d_model=64, n_heads=8, n_kv_heads=2, pos=PosKind.ROPE, bias=False)
@@ -75,6 +77,7 @@ def test_gqa_rope_attention_matches_a_naive_reference():
 
 
 @pytest.mark.parametrize("name, count", [("llama2_7b", 6_738_415_616), ("llama2_70b", 68_976_648_192)])
+@pytest.mark.slow
 def test_llama_presets_have_the_public_param_counts(name, count):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     abstract = GPTModel(cfg.model, param_dtype=jnp.bfloat16).abstract_params()
@@ -82,6 +85,7 @@ def test_llama_presets_have_the_public_param_counts(name, count):
 
 
 @pytest.mark.parametrize("path", ["spec", "flat"])
+@pytest.mark.slow
 def test_llama_options_match_single_device_optax(path):
     """Every option at once, tp=2 splitting the kv groups and the swiglu pair, vs plain optax."""
     model = {**LLAMA_TINY, "scan_layers": True, "remat": True}

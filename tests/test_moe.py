@@ -79,6 +79,7 @@ def test_all_to_all_sends_each_expert_its_slots_from_every_rank_and_back():
 
 
 @pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))  # each code path once per mesh and path
+@pytest.mark.matrix
 def test_moe_matches_single_device_optax(strategy, mesh, microbatches, path):
     """Losses, grad norms (every element once across dp, ep and tp) and params after 5 steps; the
     step's metrics report the routing: capacity 1.0 drops a few token copies, and Switch's
@@ -88,6 +89,7 @@ def test_moe_matches_single_device_optax(strategy, mesh, microbatches, path):
         assert m["aux_loss"] >= 1.0 - 1e-6
 
 
+@pytest.mark.slow
 def test_dropless_routing_drops_nothing_and_matches():
     metrics = assert_matches_reference(moe_config("optim_grads", (4, 2, 1), 1, capacity_factor=None))
     assert all(m["dropped_frac"] == 0.0 for m in metrics)
@@ -193,11 +195,13 @@ def _check_restored(directory, whole, cfg, train: bool = False):
         ("no_shard", (4, 2, 1), "flat"),
     ],
 )
+@pytest.mark.slow
 def test_restore_gives_every_rank_exactly_its_experts(saved, strategy, mesh, path):
     directory, whole = saved
     _check_restored(directory, whole, moe_config(strategy, mesh, path=path))
 
 
+@pytest.mark.slow
 def test_a_flat_path_checkpoint_restores_its_experts_onto_the_spec_path(tmp_path):
     """The flat path's expert buffer, saved in model space: bf16 params keep fp32 main params too."""
     bf16 = {"precision": {"param_dtype": "bfloat16"}}
@@ -208,6 +212,7 @@ def test_a_flat_path_checkpoint_restores_its_experts_onto_the_spec_path(tmp_path
     _check_restored(tmp_path / "ck", whole, target, train=True)
 
 
+@pytest.mark.slow
 def test_reference_routes_per_rank_and_microbatch():
     """The reference for a MoE config depends on how many routing groups a step has."""
     a = reference_run(moe_config("optim", (2, 2, 2), 1))[1]

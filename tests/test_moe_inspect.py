@@ -38,6 +38,7 @@ def doc_of(tmp_path, command: str, overrides: list[str], *argv) -> dict:
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.slow
 def test_memory_state_is_the_two_domain_formula(tmp_path, mesh, strategy):
     """bf16 params: the laid-out state is Megatron's formula with d = dp x ep for dense params and
     edp = dp for expert params (tp-local, E/ep experts per rank)."""
@@ -82,6 +83,7 @@ def test_training_summary_uses_the_two_domain_formula():
     assert ddp["grads"] == sum(dom["numel"] for dom in domains.values()) * 4
 
 
+@pytest.mark.slow
 def test_spec_path_on_cpu_reduces_each_domain_over_its_axes(tmp_path, capsys):
     """DDP on 8 CPU devices, dp 2 x ep 2 x tp 2: expert grads all-reduce over dp, dense grads over
     dp x ep, tokens all-to-all over ep; the DP bytes are the two-domain theory, the tokens apart."""
@@ -105,6 +107,7 @@ def test_spec_path_on_cpu_reduces_each_domain_over_its_axes(tmp_path, capsys):
     assert "tokens (not DP): all-to-all over ep" in out and "edp=2" in out
 
 
+@pytest.mark.slow
 def test_flat_path_moves_each_domains_padded_buffer(tmp_path):
     """Flat path on 8 CPU devices, dp 2 x ep 2 x tp 2, ZeRO-2: the dense buffer is reduce-scattered
     and gathered over dp x ep, the expert buffer over dp; measured/theory is their padding."""
@@ -129,6 +132,7 @@ def test_flat_path_moves_each_domains_padded_buffer(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.slow
 def test_deviceless_h100_reduce_scatters_each_domain(tmp_path):
     """8 H100s, spec path, ZeRO-2 with bf16 params: expert grads reduce-scatter over dp (edp),
     dense grads over dp x ep (d), each gathered back in bf16; measured/theory is 1 per domain."""
@@ -154,6 +158,7 @@ def test_deviceless_h100_reduce_scatters_each_domain(tmp_path):
     assert s["tokens"]["measured"]["per_step_wire_bytes"] == s["tokens"]["per_step_wire_bytes"]
 
 
+@pytest.mark.slow
 def test_mixtral_preset_is_46_7b_params():
     cfg = load_config(Path(__file__).parents[1] / "configs" / "mixtral_8x7b.yaml")
     model = GPTModel(cfg.model)

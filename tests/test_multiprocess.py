@@ -73,6 +73,7 @@ def zero2_on(path: str) -> list[str]:
 
 
 @pytest.mark.parametrize("path", ["flat"])  # spec: test_a_checkpoint_moves_from_two_processes_to_one_and_back
+@pytest.mark.slow
 def test_launch_two_processes_train_like_one(path, tmp_path):
     """ZeRO-2 on 2 processes x 4 CPU devices (dp 4 x tp 2, across processes) = 1 process x 8 devices."""
     sets = [*zero2_on(path), "--set", "train.steps=5"]
@@ -112,6 +113,7 @@ def _started_with(tmp_path, counts_and_ids) -> list[tuple[int, str, float]]:
     return _ends([_train(port, n, me, tmp_path) for n, me in counts_and_ids], STARTUP_S + TIMEOUT_S + 10)
 
 
+@pytest.mark.slow
 def test_a_process_count_that_differs_stops_every_process_at_once(tmp_path):
     """Process 1 says 3 processes, the coordinator 2: JAX itself would run on without noticing."""
     for code, err, _ in _started_with(tmp_path, [(2, 0), (3, 1)]):
@@ -121,6 +123,7 @@ def test_a_process_count_that_differs_stops_every_process_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["coordinator_expects_more", "duplicate_process_id"])
+@pytest.mark.slow
 def test_a_run_that_cannot_form_ends_within_the_timeout(case, tmp_path):
     """Before, each hung for JAX's 5 minutes, then aborted in C++."""
     counts_and_ids = {"coordinator_expects_more": [(3, 0), (2, 1)], "duplicate_process_id": [(2, 1), (2, 1)]}[case]
@@ -132,6 +135,7 @@ def test_a_run_that_cannot_form_ends_within_the_timeout(case, tmp_path):
         assert seconds < IMPORT_S + TIMEOUT_S + 5  # process 0 waits 5 s more, so the others report first
 
 
+@pytest.mark.slow
 def test_distributed_takes_the_layout_from_slurm_and_is_bounded_too(tmp_path):
     """--distributed as `srun` would start process 1 of 2, with no process 0: JAX's SLURM detection
     names the run, and the join ends within the timeout like a run started by hand."""
@@ -167,6 +171,7 @@ def _wait_for_steps(out: Path, steps: int, procs: list[subprocess.Popen]) -> Non
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_killed_process_ends_the_other_with_one_line(tmp_path):
     """Before, the survivor lived ~90 s more (JAX's heartbeat timeout), then aborted in C++."""
     port = _free_port()
@@ -178,6 +183,7 @@ def test_a_killed_process_ends_the_other_with_one_line(tmp_path):
     assert seconds < HEARTBEAT_S + 5
 
 
+@pytest.mark.slow
 def test_launch_names_the_process_that_died(tmp_path):
     launch = _jzero("launch", "--local", "2", "--out", str(tmp_path), *TINY, *FAST, "--set", "train.steps=2000")
     children = []
@@ -200,6 +206,7 @@ def test_launch_names_the_process_that_died(tmp_path):
     assert seconds < HEARTBEAT_S + 5
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
     """ZeRO-2 on 2 x 4 devices (spec path, dp 4 x tp 2, across processes) saves steps 1-2, one process
     with 8 resumes to 4, two again to 6: every step's loss and grad norm is the uninterrupted

@@ -30,6 +30,7 @@ def test_fraction_outside_0_1_is_one_line():
 
 
 @pytest.mark.parametrize("path, strategy, fraction", [("spec", "optim_grads", 1.0), ("flat", "optim", 0.5)])
+@pytest.mark.matrix
 def test_offloaded_runs_match_single_device_optax(path, strategy, fraction):
     """Fidelity tolerances (test_fidelity.py). Fraction 0 is the program without offload, tested there;
     0.5 and 1 differ in which leaves the step copies, not in how: each path runs one of them here (the
@@ -53,6 +54,7 @@ def test_fraction_zero_has_no_memory_kinds():
 
 
 @pytest.mark.parametrize("target", ["cpu", pytest.param("h100", marks=needs_cuda)])
+@pytest.mark.matrix
 def test_host_bytes_of_the_compiled_program_are_the_formula(tmp_path, target):
     """bf16 params, ZeRO-2, half the state offloaded: the host bytes of the shardings are Megatron's
     formula's share, and the compiled program takes and returns exactly those in host memory (S(5));

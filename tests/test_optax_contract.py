@@ -141,6 +141,7 @@ FLAT_STRATEGIES = [ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM_GRADS]
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
 @pytest.mark.parametrize("name", [*ELEMENTWISE, *PER_TENSOR])
+@pytest.mark.matrix
 def test_spec_path_runs_any_optax_transformation(name, strategy):
     clip = 1.0 if name == "adam" else None  # jzero's own clipping across shards, on one of them
     _, state = run_jzero(TABLE[name](), strategy, ZeroPath.SPEC, clip)
@@ -149,6 +150,7 @@ def test_spec_path_runs_any_optax_transformation(name, strategy):
 
 @pytest.mark.parametrize("strategy", FLAT_STRATEGIES, ids=lambda s: s.value)
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
+@pytest.mark.matrix
 def test_flat_path_runs_elementwise_transformations(name, strategy):
     _, state = run_jzero(TABLE[name](), strategy, ZeroPath.FLAT)
     assert_close(state.params, reference(name))
@@ -205,6 +207,7 @@ def groups_reference():
     [(s, ZeroPath.SPEC) for s in STRATEGIES] + [(s, ZeroPath.FLAT) for s in FLAT_STRATEGIES],
     ids=lambda x: x.value,
 )
+@pytest.mark.matrix
 def test_param_groups_train_like_plain_optax_on_both_paths(strategy, path):
     """Megatron's param groups (no decay on some params, lr and wd multipliers) as jzero groups."""
     tx = groups.adamw(optax.linear_schedule(1e-2, 1e-3, STEPS), weight_decay=0.1)

@@ -116,6 +116,7 @@ def fp16_reference(cfg, steps: int, ranks: int):
     return np.array(losses), np.array(skipped), np.array(scales), main
 
 
+@pytest.mark.slow
 def test_fp16_trains_as_single_device_optax_with_the_same_scaler():
     """ZeRO-2 on the spec path (the flat path's skip: the next test; its grads: the comment below)."""
     cfg = tiny_config("optim_grads", (4, 1, 1), precision=FP16, train={"steps": STEPS})
@@ -164,6 +165,7 @@ _poison.defvjp(_poison_fwd, _poison_bwd)
 
 
 @pytest.mark.parametrize("strategy, path, microbatches", [("optim_grads_params", "spec", 1), ("optim", "flat", 2)])
+@pytest.mark.matrix
 def test_an_inf_on_one_rank_skips_the_whole_step_and_backs_off_after_hysteresis(strategy, path, microbatches):
     """Steps 3 and 4 (of 5) get an inf in one rank's grads: every array of the state comes out of each
     bitwise unchanged (the optimizer's step count too), `skipped` is 1, the scale stays after the
@@ -252,6 +254,7 @@ def test_bad_precision_keys_are_one_line_errors():
 # ---------------------------------------------------------------- the CLI, checkpoints
 
 
+@pytest.mark.slow
 def test_an_fp16_run_reports_its_scale_and_a_resume_continues_it_bitwise(tmp_path, capsys):
     """`jzero train` in fp16 (flat ZeRO-1, a scale that grows every 2 steps and overflows): metrics carry
     loss_scale and skipped every step, the summary counts the skips, and a run resumed from the step-3

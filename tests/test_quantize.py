@@ -123,6 +123,7 @@ def _dp_gathers(run, state) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.matrix
 def test_model_copy_is_the_blockwise_quantized_main_params(dtype):
     """fp32 params (jzero then keeps fp32 main params beside the quantized copy), three buckets, dp=8."""
     cfg = tiny_config(zero={"path": "flat", "bucket_size": 20000, "param_gather_dtype": dtype}, model={"n_layers": 1})

@@ -76,6 +76,7 @@ def test_devices_that_do_not_divide_are_one_line_exit_2(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_default_config_trains_on_the_8_simulated_devices(tmp_path, capsys):
     """`jzero train` as shipped (only fewer steps): dp=-1 becomes 8 on this process's 8 CPU devices."""
     assert main(["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=2"]) == 0
@@ -85,6 +86,7 @@ def test_default_config_trains_on_the_8_simulated_devices(tmp_path, capsys):
     assert "mesh: dp_outer=1 dp=8 ep=1 tp=1 on 8 x cpu" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dp_follows_the_device_count_of_a_fresh_process(tmp_path):
     """In a process of 2 devices (as on a host of 2 GPUs) the same config trains with dp=2."""
     argv = ["train", "--out", str(tmp_path), "--quiet", *sets([*TINY, "train.steps=1", "train.host_devices=2"])]

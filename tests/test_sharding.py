@@ -30,6 +30,7 @@ def ddp_bytes():
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+@pytest.mark.matrix
 def test_state_bytes_are_one_over_dp(strategy, ddp_bytes):
     run = setup(tiny_config(strategy, (4, 1, 2)))
     assert run.zero.plan.replicated() == []  # vocab 257 still has a divisible dim (d_model)
@@ -45,6 +46,7 @@ def test_state_bytes_are_one_over_dp(strategy, ddp_bytes):
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.matrix
 def test_shardings_identical_after_init_and_update(strategy):
     run = setup(tiny_config(strategy, (2, 2, 2)))
     state = run.init_state()
@@ -60,6 +62,7 @@ def test_shardings_identical_after_init_and_update(strategy):
             assert sharded == (strategy != "no_shard")
 
 
+@pytest.mark.slow
 def test_bf16_params_keep_sharded_fp32_main_params():
     run = setup(tiny_config("optim", (8, 1, 1), precision={"param_dtype": "bfloat16"}))
     state = run.init_state()
