@@ -1,7 +1,8 @@
 """ZeRO stages for any JAX model and optax transformation; `build_zero` is the entry.
 
-    jzero/zero/config.py   ZeroConfig and its enums, DynamicLossScale, ParamGroupRule (no JAX)
+    jzero/zero/config.py   ZeroConfig and its enums, DynamicLossScale, StepOptions, ParamGroupRule (no JAX)
     jzero/zero/build.py    build_zero -> Zero: everything a run needs, resolved once
+    jzero/zero/memory.py   per-device bytes: Megatron's formula, and what arrays and shardings hold
     jzero/zero/common/     what both paths share: the sharding plan (strategies), the train state,
                            the optimizer update, param groups, loss scaling, FSDP units, offload
     jzero/zero/spec/       the spec path: sharding specs, XLA emits the collectives
@@ -23,6 +24,7 @@ _PUBLIC = {
     "ParamGatherDType": "jzero.zero.config",
     "DynamicLossScale": "jzero.zero.config",
     "ParamGroupRule": "jzero.zero.config",
+    "StepOptions": "jzero.zero.config",
     "TrainState": "jzero.zero.common.state",
     "ZeroState": "jzero.zero.common.state",
     "ParamGroup": "jzero.zero.common.groups",

@@ -172,6 +172,20 @@ def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
 
+def _check_layout_args(numels: list, dp_size, bucket_size, new_bucket: list[bool]) -> None:
+    if not numels:
+        raise ValueError("numels must be non-empty")
+    for i, n in enumerate(numels):
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"numels[{i}] must be an int >= 0, got {n!r}")
+    if not _is_int(dp_size) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    if bucket_size is not None and (not _is_int(bucket_size) or bucket_size < 1):
+        raise ValueError(f"bucket_size must be None or an int >= 1, got {bucket_size!r}")
+    if len(new_bucket) != len(numels):
+        raise ValueError(f"new_bucket has {len(new_bucket)} flags but there are {len(numels)} params")
+
+
 def build_layout(
     numels: Sequence[int],
     dp_size: int,
@@ -196,23 +210,8 @@ def build_layout(
         The :class:`Layout`.
     """
     numels = list(numels)
-    if not numels:
-        raise ValueError("numels must be non-empty")
-    for i, n in enumerate(numels):
-        if not _is_int(n) or n < 0:
-            raise ValueError(f"numels[{i}] must be an int >= 0, got {n!r}")
-    if not _is_int(dp_size) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    if bucket_size is not None and (not _is_int(bucket_size) or bucket_size < 1):
-        raise ValueError(f"bucket_size must be None or an int >= 1, got {bucket_size!r}")
-    if new_bucket is None:
-        new_bucket = [False] * len(numels)
-    new_bucket = [bool(f) for f in new_bucket]
-    if len(new_bucket) != len(numels):
-        raise ValueError(
-            f"new_bucket has {len(new_bucket)} flags but there are {len(numels)} params"
-        )
-
+    new_bucket = [False] * len(numels) if new_bucket is None else [bool(f) for f in new_bucket]
+    _check_layout_args(numels, dp_size, bucket_size, new_bucket)
     divisor = bucket_end_divisor(dp_size, pad_for_high_nccl_busbw)
     param_index_map: list = [None] * len(numels)
     bucket_indices, per_bucket_numel_unpadded, bucket_params = [], [], []

@@ -7,7 +7,7 @@ gathers the updated params back into the model's layout. The inner
 transformation never knows it is sharded: XLA partitions its math, per-tensor
 (trust ratios, factored moments, masks) and global (norms) computations included.
 
-Shardings (see `strategies.py` for the notation), with `W[D, F_tp]` a model param:
+Shardings (see `common/strategies.py` for the notation), with `W[D, F_tp]` a model param:
   params in/out:       W[D, F_tp]      (replicated over DP)
   grads in:            W[D_dp, F_tp]   (W[D, F_tp] under no_shard)
   main params, state:  W[D_dp, F_tp]   (W[D, F_tp] under no_shard)
@@ -139,9 +139,9 @@ def zero_optimizer(
       plan: the run's shardings.
       clip_grad: global-norm clipping threshold applied across shards, None = off.
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
-      loss_scale: fp16's dynamic loss scaling (`loss_scale.py`): the grads arrive multiplied by
+      loss_scale: fp16's dynamic loss scaling (`common/loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
-      offload: the state leaves `step` reads from and writes back to host memory (`offload.py`),
+      offload: the state leaves `step` reads from and writes back to host memory (`common/offload.py`),
         or None; they are stepped in device memory.
     """
     shardings = opt_state_shardings(inner, plan, loss_scale)

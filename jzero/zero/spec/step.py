@@ -16,7 +16,7 @@ Accumulation over microbatches follows Megatron: DDP and ZeRO-1 accumulate the
 local grads and reduce once; ZeRO-2 reduces every microbatch into a sharded
 accumulator, so no rank ever holds a full reduced gradient.
 
-ZeRO-2 and ZeRO-3 go further, per FSDP unit (`units.py`): the loss gets each param as a
+ZeRO-2 and ZeRO-3 go further, per FSDP unit (`common/units.py`): the loss gets each param as a
 `UnitParam` and the step differentiates it with respect to the zero "sinks" shaped like the
 rank's grad shard, so each unit's grads are reduce-scattered (psum_scatter over the inner
 DP axes, then reduced across dp_outer under HSDP) as soon as that unit's backward is done,
