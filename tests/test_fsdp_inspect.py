@@ -27,7 +27,8 @@ MODEL = {"scan_layers": True, "bias": False, "n_layers": L}
 
 
 def config(strategy, dp_outer=1, outer="no_shard", **precision):
-    cfg = tiny_config(strategy, (8 // dp_outer, 1, 1), model=MODEL, zero={"outer_strategy": outer}, precision=precision)
+    zero = {"outer_strategy": outer, "overlap_grad_reduce": False}  # the program without overlap (its own tests)
+    cfg = tiny_config(strategy, (8 // dp_outer, 1, 1), model=MODEL, zero=zero, precision=precision)
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=dp_outer))
     validate(cfg)
     return cfg

@@ -105,7 +105,7 @@ def test_spec_path_on_cpu_shows_all_reduce_for_zero1(tmp_path, capsys):
     """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-1's grads (left
     to XLA by the spec path) with all-reduce + slice. (ZeRO-2/3 reduce-scatter per unit explicitly, in
     shard_map, so XLA:CPU emits real reduce-scatters for them: tests/test_fsdp_inspect.py.)"""
-    doc = hlo_doc(tmp_path, "--strategies", "no_shard,optim")
+    doc = hlo_doc(tmp_path, "--strategies", "no_shard,optim", "--set", "zero.overlap_grad_reduce=false")
     z1 = doc["strategies"]["optim"]
     assert not rows(doc, "optim", "reduce-scatter")
     # The grads' all-reduce is DDP's, give or take the scalars (loss, grad norm) reduced beside it.
@@ -196,7 +196,7 @@ def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
     """8 H100s, spec path: ZeRO-1 and ZeRO-2 reduce-scatter the grads (no full-gradient all-reduce)
     and, with fp32 params, move what DDP's all-reduce moves (docs/megatron.md, "Bytes on the
     wire"); ZeRO-1 reduces once after the last microbatch, as Megatron's distributed optimizer."""
-    micro = [f"train.microbatches={microbatches}", "train.global_batch=32"]
+    micro = [f"train.microbatches={microbatches}", "train.global_batch=32", "zero.overlap_grad_reduce=false"]
     jzero_args = ["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--json", str(tmp_path / "hlo.json")]
     assert jzero(jzero_args, [*TINY, *micro]) == 0
     doc = json.loads((tmp_path / "hlo.json").read_text())
@@ -219,7 +219,7 @@ def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
 def test_deviceless_h100_memory_fits(tmp_path):
     out = tmp_path / "memory.json"
     argv = ["memory", "--target", "h100", "--strategies", "optim_grads", "--json", str(out)]
-    assert jzero(argv, [*TINY, "precision.param_dtype=bfloat16"]) == 0
+    assert jzero(argv, [*TINY, "precision.param_dtype=bfloat16", "zero.overlap_grad_reduce=false"]) == 0
     doc = json.loads(out.read_text())
     s = doc["strategies"]["optim_grads"]
     assert doc["memory_bytes"] == TARGETS["h100"].memory_bytes and doc["topology"] == "1 x 1 x 8" and s["fits"]

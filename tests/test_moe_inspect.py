@@ -43,7 +43,7 @@ def test_memory_state_is_the_two_domain_formula(tmp_path, mesh, strategy):
     """bf16 params: the laid-out state is Megatron's formula with d = dp x ep for dense params and
     edp = dp for expert params (tp-local, E/ep experts per rank)."""
     dp, ep, tp = mesh
-    over = [*MOE, *mesh_args(mesh), "precision.param_dtype=bfloat16"]
+    over = [*MOE, *mesh_args(mesh), "precision.param_dtype=bfloat16", "zero.overlap_grad_reduce=false"]
     doc = doc_of(tmp_path, "memory", over, "--strategies", strategy)
     d, edp = dp * ep, dp
     assert (doc["d"], doc["edp"]) == (d, edp) and 0 < doc["expert_params"] < doc["params"]
@@ -136,7 +136,7 @@ def test_flat_path_moves_each_domains_padded_buffer(tmp_path):
 def test_deviceless_h100_reduce_scatters_each_domain(tmp_path):
     """8 H100s, spec path, ZeRO-2 with bf16 params: expert grads reduce-scatter over dp (edp),
     dense grads over dp x ep (d), each gathered back in bf16; measured/theory is 1 per domain."""
-    over = [*MOE, *mesh_args((2, 2, 2)), "precision.param_dtype=bfloat16"]
+    over = [*MOE, *mesh_args((2, 2, 2)), "precision.param_dtype=bfloat16", "zero.overlap_grad_reduce=false"]
     doc = doc_of(tmp_path, "hlo", over, "--strategies", "optim_grads", "--target", "h100", "--topology", "1 x 1 x 8")
     s = doc["strategies"]["optim_grads"]
     th = s["theory"]["domains"]

@@ -64,7 +64,8 @@ def test_shardings_identical_after_init_and_update(strategy):
 
 @pytest.mark.slow
 def test_bf16_params_keep_sharded_fp32_main_params():
-    run = setup(tiny_config("optim", (8, 1, 1), precision={"param_dtype": "bfloat16"}))
+    cfg = tiny_config("optim", (8, 1, 1), precision={"param_dtype": "bfloat16"}, zero={"overlap_grad_reduce": False})
+    run = setup(cfg)
     state = run.init_state()
     main = state.opt_state.main_params
     assert main is not None

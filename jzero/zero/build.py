@@ -184,7 +184,10 @@ def build_zero(
             "float16 params need loss scaling (their grads underflow without it): pass "
             "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
         )
-    plan = make_plan(mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
+    gather_in_forward = zero.gathers_in_forward and zero.path == ZeroPath.SPEC
+    plan = make_plan(
+        mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy, gather_in_forward
+    )
     check_groups_read(inner, plan, groups)
     quantized = zero.param_gather_dtype is not None
     model_opt_sh = opt_state_shardings(inner, plan, loss_scale, quantized)

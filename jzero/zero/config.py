@@ -76,6 +76,13 @@ class ZeroConfig:
     # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
     # steps, whole params (spec) or buckets (flat) in order (`common/offload.py`); 0 = none.
     offload_fraction: float = 0.0
+    # Megatron's overlap_grad_reduce: DDP and ZeRO-1 reduce each FSDP unit's grads inside the backward
+    # (of the last micro-batch), not after it; ZeRO-2/3 always do. False: one reduction after the backward.
+    overlap_grad_reduce: bool = True
+    # Megatron's overlap_param_gather (ZeRO-1/2): the step leaves the updated params sharded and the next
+    # step's forward gathers each unit's just before it runs. None: as overlap_grad_reduce (Megatron
+    # needs it on); ignored by no_shard (no gather) and optim_grads_params (which always does this).
+    overlap_param_gather: bool | None = None
 
     def __post_init__(self):
         for key, cls in (("strategy", ShardingStrategy), ("path", ZeroPath), ("outer_strategy", OuterStrategy)):
@@ -95,6 +102,11 @@ class ZeroConfig:
                 )
             if self.strategy == ShardingStrategy.NO_SHARD:
                 raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ConfigError(
+                "zero.overlap_param_gather=true needs zero.overlap_grad_reduce=true (as Megatron's); "
+                "set zero.overlap_param_gather=false, or leave it null to follow overlap_grad_reduce"
+            )
         if self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and self.path == ZeroPath.FLAT:
             raise ConfigError(
                 "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
@@ -113,6 +125,12 @@ class ZeroConfig:
     @property
     def shards_params(self) -> bool:
         return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def gathers_in_forward(self) -> bool:
+        """ZeRO-1/2 with overlap_param_gather (its None resolved): the params rest sharded between steps."""
+        overlap = self.overlap_grad_reduce if self.overlap_param_gather is None else self.overlap_param_gather
+        return overlap and self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Formula, per data-parallel domain (dense params over d = dp_outer x dp x ep, expert params
 over edp = dp_outer x dp), with P_local the params one model-parallel rank holds in that domain
 (`ShardingPlan.numel_by_domain`: tp-local, and for experts this rank's E/ep experts):
-  params P_local * param_bytes (/ d_params under optim_grads_params);
+  params P_local * param_bytes (/ d_params where they rest sharded: optim_grads_params, and optim and
+    optim_grads with `zero.overlap_param_gather`, whose forward gathers them back);
   grads P_local * grad_bytes (/ d_state under optim_grads and optim_grads_params);
   optimizer state P_local * (main_bytes + moment_bytes) (/ d_state unless no_shard),
   where main_bytes is 4 for non-fp32 params (fp32 master copy), else 0 (Megatron keeps
@@ -90,7 +91,7 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
             d = d_params = d_state = 1
         shard_state = d_state if plan.shards_state else 1
         shard_grads = d_state if plan.shards_grads else 1
-        shard_params = d_params if plan.shards_params else 1
+        shard_params = d_params if plan.params_rest_sharded else 1
         out[DOMAIN_NAMES[axes]] = {
             "axes": list(axes),
             "d": d,

@@ -144,12 +144,15 @@ class ShardingPlan:
       strategy: the ZeRO stage.
       tensors: a pytree with the params' structure whose leaves are `TensorPlan`s.
       outer_strategy: HSDP's, what is also sharded across dp_outer (module docstring).
+      overlap_param_gather: ZeRO-1/2 leave the updated params sharded like ZeRO-3's, and the next
+        forward gathers each unit's just before it runs (`params_rest_sharded`).
     """
 
     mesh: Mesh
     strategy: ShardingStrategy
     tensors: PyTree
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD
+    overlap_param_gather: bool = False
 
     def _tree(self, spec_of: Callable[[TensorPlan], P]) -> PyTree:
         return jax.tree.map(lambda t: NamedSharding(self.mesh, spec_of(t)), self.tensors)
@@ -173,6 +176,12 @@ class ShardingPlan:
         return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
 
     @property
+    def params_rest_sharded(self) -> bool:
+        """The model params rest between steps split over their inner DP axes (`TensorPlan.inner_spec`):
+        ZeRO-3's, and ZeRO-1/2's with `overlap_param_gather`; the forward gathers them."""
+        return self.shards_params or (self.overlap_param_gather and self.shards_state)
+
+    @property
     def hsdp(self) -> bool:
         return self.mesh.shape[OUTER_AXIS] > 1
 
@@ -184,12 +193,13 @@ class ShardingPlan:
         return inner + outer if self.outer_strategy == OuterStrategy.OPTIM else inner
 
     def param_spec(self, t: TensorPlan) -> P:
-        """Spec of `t`'s model param: tp-sharded, and under ZeRO-3 split over its inner DP axes."""
-        return t.inner_spec if self.shards_params else t.tp_spec
+        """Spec of `t`'s model param between steps: tp-sharded, and split over its inner DP axes where
+        the params rest sharded (`params_rest_sharded`)."""
+        return t.inner_spec if self.params_rest_sharded else t.tp_spec
 
     def param_shardings(self) -> PyTree:
-        """Model params: tp-sharded; replicated over the DP domain, or under ZeRO-3 split over
-        the inner DP axes."""
+        """Model params between steps: tp-sharded; replicated over the DP domain, or split over the
+        inner DP axes where they rest sharded (ZeRO-3; ZeRO-1/2 with `overlap_param_gather`)."""
         return self._tree(self.param_spec)
 
     def state_spec(self, t: TensorPlan) -> P:
@@ -304,6 +314,7 @@ def make_plan(
     is_expert: PyTree | None = None,
     units: PyTree | None = None,
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD,
+    overlap_param_gather: bool = False,
 ) -> ShardingPlan:
     """Resolves the sharding of every param once.
 
@@ -316,6 +327,7 @@ def make_plan(
       units: same structure, per param None (in no FSDP unit) or its number of leading
         stacked-layer dims (`TensorPlan.unit_dims`); default: no units.
       outer_strategy: HSDP's, when the mesh's dp_outer is > 1.
+      overlap_param_gather: ZeRO-1/2 params rest sharded between steps (`ShardingPlan.params_rest_sharded`).
     """
     if is_expert is None:
         is_expert = jax.tree.map(lambda _: False, abstract_params)
@@ -343,4 +355,4 @@ def make_plan(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     others = [treedef.flatten_up_to(tree) for tree in (tp_specs, is_expert, units)]  # units may hold None
     tensors = treedef.unflatten([plan_one(path, x, *rest) for (path, x), *rest in zip(leaves, *others)])
-    return ShardingPlan(mesh, strategy, tensors, outer_strategy)
+    return ShardingPlan(mesh, strategy, tensors, outer_strategy, overlap_param_gather)

@@ -1,27 +1,36 @@
-"""FSDP units: where a unit's params are gathered (ZeRO-3) and its grads reduce-scattered (ZeRO-2/3).
+"""FSDP units: where a unit's params are gathered and its grads reduced, inside the backward.
 
 A unit is a group of params used together: one transformer block (Megatron-FSDP's
 `fsdp_unit_modules`, one `fully_shard` call in FSDP2). The model marks where a unit runs with
 
-    y = unit(fn, unit_params, *args)        # = fn(unit_params, *args) outside a ZeRO-2/3 step
+    y = unit(fn, unit_params, *args)        # = fn(unit_params, *args) outside a ZeRO step
 
-(the block's params, and the scan body's slice of them when the layers are stacked). Outside
-a ZeRO-2/3 step (one device, DDP, ZeRO-1, inference) the params are arrays and `unit` is a
-plain call. Inside the spec path's ZeRO-2/3 step each param of a unit arrives as a
-`UnitParam`, a pytree of two arrays and a static `Hook`:
+(the block's params, and the scan body's slice of them when the layers are stacked). Outside a
+ZeRO step (one device, inference) the params are arrays and `unit` is a plain call. Inside the
+spec path's step each param of a unit arrives as a `UnitParam`, a pytree of arrays and a static
+`Hook`:
 
-  value: ZeRO-3: this rank's shard of the param, `W[D_dp, F_tp]`; ZeRO-2: the whole `W[D, F_tp]`.
-  sink:  zeros shaped like the rank's shard of the reduced grad, in the grad reduce dtype. The
-         step differentiates the loss with respect to the sinks, so what reaches a sink is the
-         unit's grad, scaled and reduce-scattered the moment the unit's backward is done.
+  value: the param as it rests between steps: this rank's shard `W[D_dp, F_tp]` where the params
+         rest sharded (ZeRO-3, and ZeRO-1/2 with `overlap_param_gather`), else the whole `W[D, F_tp]`.
+  sink:  zeros shaped like what the grad becomes: the rank's shard of the DP-reduced grad (ZeRO-1/2/3),
+         the whole reduced grad (DDP), or this rank's own unreduced grad (a micro-batch that only
+         accumulates). The step differentiates the loss with respect to the sinks, so what reaches
+         a sink is the unit's grad, scaled and reduced the moment the unit's backward is done.
+  acc:   DDP and ZeRO-1 over several micro-batches: this rank's grads accumulated over the earlier
+         micro-batches, added before the last one's reduction (Megatron's grad buffer); else None.
+  gsink: zeros shaped like the whole param, whose cotangent is the gathered param (as this rank's
+         copy: it is typed DP-varying, as an all_gather's result is): the first
+         micro-batch of ZeRO-1/2 with `overlap_param_gather` hands the params it gathered to the
+         later micro-batches this way, so they are gathered once per step; else None.
 
-`unit` materializes each param (an all_gather over the inner DP axes under ZeRO-3), runs
-`fn`, and in backward reduce-scatters the param's grad over the inner DP axes, then
-all-reduces it across `dp_outer` (HSDP, outer_strategy no_shard) or reduce-scatters it
-there too (outer_strategy optim). With `reshard_after_forward` the gathered params are not
-kept for backward (`RESHARD_POLICY`): they are gathered again when the unit's backward
-runs, as FSDP2 does. Params outside every unit (embeddings,
-final norm, head) are materialized by the step before the loss runs.
+`unit` materializes each param (an all_gather over the inner DP axes where it rests sharded),
+runs `fn`, and in backward reduces the param's grad: DDP all-reduces it over its DP domain; the
+ZeRO stages reduce-scatter it over the inner DP axes, then all-reduce it across `dp_outer` (HSDP,
+outer_strategy no_shard) or reduce-scatter it there too (outer_strategy optim). With
+`reshard_after_forward` (ZeRO-3) the gathered params are not kept for backward
+(`RESHARD_POLICY`): they are gathered again when the unit's backward runs, as FSDP2 does.
+Params outside every unit (embeddings, final norm, head) are materialized by the step before the
+loss runs, and their grads reduced when their backward is complete.
 """
 
 from __future__ import annotations
@@ -48,11 +57,12 @@ class Hook:
 
     Attributes:
       dim: the shard dim counted from the end (so slicing stacked layers leaves it unchanged),
-        None if the param is not split over DP (its grad is then all-reduced).
-      inner: the DP axes the value (ZeRO-3) and the first grad reduce-scatter span.
+        None if the grad is not split over DP (it is then all-reduced: DDP, or a param with no
+        divisible dim).
+      inner: the DP axes the value (when `gather`) and the first grad reduce-scatter span.
       outer: the replica axes across which the inner-reduced grad is then reduced.
       outer_scatter: reduce-scatter across `outer` (HSDP optim) instead of all-reducing.
-      gather: ZeRO-3: `value` is a shard to all_gather over `inner`.
+      gather: `value` is a shard to all_gather over `inner`.
       to_varying: the DP axes the materialized param is invariant over: cast to varying there,
         so the cotangent that reaches the hook is this rank's own grad, not an all-reduced one.
       scale: Megatron's gradient scaling factor, 1 / (DP size x microbatches).
@@ -63,6 +73,11 @@ class Hook:
         shard_map manual over those axes too, on each tp rank's block: XLA would otherwise
         gather a tp-split dim before a collective over the DP axes (docs/xla.md, "Collectives
         inside a partially manual shard_map").
+      reduce: reduce the grad over DP; False: the sink gets this rank's own scaled grad (a
+        micro-batch that only accumulates).
+      extract: the gsink's cotangent is the gathered param (module docstring).
+      keep: the gathered param is kept for the backward even when the unit recomputes its forward
+        (`unit(..., remat=True)`): ZeRO-1/2's overlap_param_gather, which gathers once per step.
     """
 
     dim: int | None
@@ -75,6 +90,9 @@ class Hook:
     reduce_dtype: str
     reshard: bool
     tp_spec: tuple | None = None
+    reduce: bool = True
+    extract: bool = False
+    keep: bool = False
 
 
 def _tp_local(f: Callable[[jax.Array], jax.Array], x: jax.Array, hook: Hook) -> jax.Array:
@@ -90,11 +108,13 @@ def _tp_local(f: Callable[[jax.Array], jax.Array], x: jax.Array, hook: Hook) -> 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class UnitParam:
-    """A unit's param as the loss sees it inside a ZeRO-2/3 step (module docstring)."""
+    """A unit's param as the loss sees it inside a ZeRO step (module docstring)."""
 
     value: jax.Array
     sink: jax.Array
     hook: Hook = dataclasses.field(metadata=dict(static=True))
+    acc: jax.Array | None = None
+    gsink: jax.Array | None = None
 
 
 def is_unit_param(x) -> bool:
@@ -102,21 +122,33 @@ def is_unit_param(x) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _materialize(hook: Hook, value: jax.Array, sink: jax.Array) -> jax.Array:
+def _materialize(hook: Hook, value: jax.Array, sink: jax.Array, acc, gsink) -> jax.Array:
+    return _gathered(hook, value)
+
+
+def _gathered(hook: Hook, value: jax.Array) -> jax.Array:
+    """The param as the model computes with it: gathered where it rests sharded, cast to varying."""
     full = value
     if hook.gather and hook.dim is not None:
         full = _tp_local(lambda v: jax.lax.all_gather(v, hook.inner, axis=v.ndim + hook.dim, tiled=True), value, hook)
     return jax.lax.pcast(full, hook.to_varying, to="varying") if hook.to_varying else full
 
 
-def _materialize_fwd(hook, value, sink):
-    return _materialize(hook, value, sink), None
+def _materialize_fwd(hook, value, sink, acc, gsink):
+    out = _gathered(hook, value)
+    return out, (acc, out if hook.extract else None)
 
 
-def _materialize_bwd(hook, _, g):
-    """The unit's grad of this param -> the rank's shard of the DP-reduced grad (the sink's cotangent)."""
+def _materialize_bwd(hook, residuals, g):
+    """The unit's grad of this param -> the sink's cotangent (reduced, or this rank's own) and, when
+    extracting, the gathered param as the gsink's."""
+    acc, full = residuals
     g = (g.astype(jnp.float32) * hook.scale).astype(hook.reduce_dtype)
-    return None, _tp_local(functools.partial(_reduce, hook), g, hook)
+    if acc is not None:
+        g = acc + g
+    if hook.reduce:
+        g = _tp_local(functools.partial(_reduce, hook), g, hook)
+    return None, g, None, full
 
 
 def _reduce(hook: Hook, g: jax.Array) -> jax.Array:
@@ -134,23 +166,28 @@ _materialize.defvjp(_materialize_fwd, _materialize_bwd)
 
 def materialize(x):
     """A `UnitParam`'s whole param, as the model computes with it (other leaves unchanged)."""
-    return _materialize(x.hook, x.value, x.sink) if isinstance(x, UnitParam) else x
+    return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink) if isinstance(x, UnitParam) else x
 
 
 def unit(fn: Callable, params: PyTree, *args, remat: bool = False, **kwargs):
     """`fn(params, *args, **kwargs)` as one FSDP unit (module docstring); `args` are arrays.
 
     remat: recompute the whole unit in backward, keeping only its inputs (Megatron's full
-    recompute, `jax.checkpoint`), ZeRO or not. It subsumes `reshard_after_forward` (the params are
-    gathered again with the rest); a second checkpoint inside the model's own would gather them a
-    third time, so a model that recomputes its units says so here rather than wrapping `unit`."""
+    recompute, `jax.checkpoint`), ZeRO or not. Under ZeRO-3 it subsumes `reshard_after_forward`
+    (the params are gathered again with the rest); params gathered for the whole step
+    (`Hook.keep`: ZeRO-1/2's overlap_param_gather) are gathered before the recomputed part and
+    kept, as Megatron's persistent params are. A second checkpoint inside the model's own would
+    gather ZeRO-3's params a third time, so a model that recomputes its units says so here rather
+    than wrapping `unit`."""
     leaves = [x for x in jax.tree.leaves(params, is_leaf=is_unit_param) if isinstance(x, UnitParam)]
 
     def run(params, *args):
         return fn(jax.tree.map(materialize, params, is_leaf=is_unit_param), *args, **kwargs)
 
     if remat:
-        return jax.checkpoint(run)(params, *args)
+        kept = jax.tree.map(lambda x: materialize(x) if is_unit_param(x) and x.hook.keep else x, params,
+                            is_leaf=is_unit_param)  # fmt: skip
+        return jax.checkpoint(run)(kept, *args)
     if any(x.hook.reshard for x in leaves):
         return jax.checkpoint(run, policy=RESHARD_POLICY)(params, *args)
     return run(params, *args)

@@ -1,0 +1,38 @@
+"""XLA options for a ZeRO step: what makes XLA:GPU overlap the DP collectives inside the layer loop.
+
+A scanned stack of layers is one `while` loop, and XLA:GPU's latency-hiding scheduler overlaps a
+collective only with work of the same loop iteration: the first gathers of a layer and the last
+reduce-scatters of its backward find nothing of their own layer to hide behind. XLA's collective
+pipeliner moves them into the neighbouring iteration: the next layer's all-gathers start while this
+layer computes (`xla_gpu_enable_pipelined_all_gather`), a layer's reduce-scatter or all-reduce
+finishes while the next layer's backward runs (`..._reduce_scatter`, `..._all_reduce`), and the
+loop body is unrolled twice so both iterations' buffers exist (`xla_gpu_enable_while_loop_double_
+buffering`). MaxText turns on the same options for FSDP on GPUs. Measured on LLaMA-2-7B's ZeRO-2
+step on 8 x H100 (deviceless): exposed DP wire 5.15 -> 1.92 GiB of 32.95 GiB, temp peak 21.13 ->
+20.34 GiB (docs/overlap.md).
+
+They are set only for GPU meshes (the CPU program stays as it was) and only with
+`zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
+stay theirs.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from jzero.zero.config import ZeroConfig
+
+PIPELINE = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+
+
+def step_compiler_options(mesh: Mesh, config: ZeroConfig) -> dict:
+    """The XLA options of a ZeRO step on `mesh` (module docstring); {} off a GPU or without overlap."""
+    platform = mesh.devices.flat[0].platform
+    if platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
+        return {}
+    return dict(PIPELINE)
