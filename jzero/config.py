@@ -23,6 +23,8 @@ from jzero.errors import ConfigError
 from jzero.mesh import AUTO_DP, MeshConfig
 from jzero.zero.config import DynamicLossScale, ParamGroupRule, ZeroConfig
 
+# `model.impl` of jzero's GPT, the default model (the keys of `ModelConfig` are its).
+GPT_IMPL = "jzero.train.model:GPTModel"
 # The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
 # falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
 BF16_MAX_DECAY = 0.96
@@ -95,12 +97,16 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT: token embeddings, pre-norm attention and MLP blocks.
+    """The model: `impl` names its class (`jzero.model`, the protocol), which reads the keys below.
 
-    The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options
-    (swiglu, rmsnorm, no bias, rope, grouped-query attention).
+    `vocab_size` and `seq_len` are the harness's too (the data's ids, the batch's [B, seq_len + 1]
+    tokens); the rest describe jzero's GPT (token embeddings, pre-norm attention and MLP blocks) and
+    are checked only for it (`_check_gpt`): another model reads those it wants and checks them itself.
+    The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options (swiglu, rmsnorm,
+    no bias, rope, grouped-query attention).
     """
 
+    impl: str = GPT_IMPL  # "package.module:Class" implementing `jzero.model.Model`
     vocab_size: int = 256  # byte-level text needs >= 256
     d_model: int = 128
     n_layers: int = 4
@@ -492,6 +498,26 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
 
 
+def _check_gpt(m: ModelConfig, mesh: MeshConfig) -> None:
+    """jzero's GPT: can the mesh split its heads, MLP and experts (the keys only it reads)?"""
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % mesh.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.d_ff % mesh.tp:
+        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
+    if m.n_kv_heads is not None:
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+        if m.n_kv_heads % mesh.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(
+            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
+        )
+    _check_moe(m, mesh)
+
+
 def _check_data(cfg: Config) -> None:
     d, t = cfg.data, cfg.train
     if d.kind == DataKind.TEXT and cfg.model.vocab_size < 256:
@@ -525,26 +551,12 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for f in dataclasses.fields(cfg.distributed):
         _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
-    if m.n_heads % mesh.tp:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
-    if m.d_ff % mesh.tp:
-        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
-    if m.n_kv_heads is not None:
-        if m.n_heads % m.n_kv_heads:
-            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
-        if m.n_kv_heads % mesh.tp:
-            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
-    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(
-            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
-        )
+    if m.impl == GPT_IMPL:
+        _check_gpt(m, mesh)
     # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.
     if mesh.dp != AUTO_DP and t.global_batch % (cfg.dp_domain_size * t.microbatches):
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
         )
-    _check_moe(m, mesh)
     _check_data(cfg)

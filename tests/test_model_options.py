@@ -15,7 +15,8 @@ from test_fidelity import assert_matches_reference
 
 from helpers import tiny_config
 from jzero.config import ConfigError, ModelConfig, PosKind, load_config
-from jzero.train.model import Attention, GPTModel
+from jzero.train.layers import Attention
+from jzero.train.model import GPTModel
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
