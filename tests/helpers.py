@@ -18,7 +18,8 @@ from jax.sharding import SingleDeviceSharding
 
 from jzero.config import Config, OptimizerName, from_dict
 from jzero.mesh import MeshConfig
-from jzero.train.loop import Run, lr_schedule, param_groups, setup
+from jzero.optim import lr_schedule, param_groups
+from jzero.train.loop import Run, setup
 from jzero.train.model import GPTModel
 from jzero.zero.common.groups import ParamGroup
 from jzero.zero.common.state import TrainState

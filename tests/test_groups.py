@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from helpers import tiny_config
-from jzero.train.loop import param_groups
+from jzero.optim import param_groups
 from jzero.train.model import GPTModel
 from jzero.zero.common.groups import ParamGroup
 from jzero.zero.common.groups import param_groups as resolve

@@ -20,7 +20,8 @@ import pytest
 from helpers import plain_optax, rel_param_errors, setup_free_dataset, tiny_config
 from jzero.cli import main
 from jzero.config import ConfigError
-from jzero.train.loop import inner_optimizer, setup
+from jzero.optim import inner_optimizer
+from jzero.train.loop import setup
 from jzero.train.model import GPTModel
 from jzero.zero import build_zero, store_state_in
 from jzero.zero.common import loss_scale as scaler
