@@ -118,9 +118,9 @@ def _cmd_layout(args) -> int:
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the flat path's layout
     _start(cfg)
     from jzero.inspect.layout import describe, format_layout
-    from jzero.train.loop import setup
+    from jzero.run import build_run
 
-    d = describe(setup(cfg, with_data=False).zero.flat)
+    d = describe(build_run(cfg).zero.flat)
     if not 0 <= args.rank < d["buffer"]["dp_size"]:
         raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
     print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))
@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim"
         )
 
-    t = sub.add_parser("train", help="train a GPT with a ZeRO strategy")
+    t = sub.add_parser("train", help="train a GPT (or the model.impl model) with a ZeRO strategy")
     with_config(t)
     t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
