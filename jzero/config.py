@@ -367,7 +367,7 @@ def resolve_mesh(cfg: Config, n_devices: int) -> Config:
     """`cfg` with `mesh.dp=-1` filled in for `n_devices` devices, then validated again (the batch
     split depends on dp). With mesh.dp set, `cfg` itself: `make_mesh` checks it against the devices.
 
-    Called once the device count is known (`jzero.train.loop.setup`, after JAX has started).
+    Called once the device count is known (`jzero.run.build_run`, after JAX has started).
     """
     mesh = cfg.mesh.resolve(n_devices)
     if mesh == cfg.mesh:

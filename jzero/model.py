@@ -9,8 +9,8 @@ and raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 
 Params are any pytree of arrays (jzero's GPT: a nested dict); every `...(params)` method below
 takes the params or their `ShapeDtypeStruct`s (`abstract_params()`) and returns a tree of the same
 structure. The harness feeds token batches: `batch` is int32 `[B, seq_len + 1]` (`model.seq_len`;
-inputs `batch[:, :-1]`, targets `batch[:, 1:]`), B the rows of one rank and micro-batch on the flat
-path, or the global batch (split over the DP axes) on the spec path.
+inputs `batch[:, :-1]`, targets `batch[:, 1:]`), B the rows of one data-parallel rank in one
+micro-batch on either ZeRO path (each rank's loss is its own call).
 
 Beside the protocol's methods, the inspect tools ask a model for estimates that only it can give;
 each is optional, and the function of the same name here gives its default when a model lacks it:
@@ -55,10 +55,11 @@ class Model(Protocol):
     ) -> tuple[jax.Array, dict]:
         """(mean loss over the batch's tokens, {name: scalar} metrics, {} for none).
 
-        On the spec path `params` are global arrays and both axes are None; on the flat path they
-        are tp-local shards inside shard_map: `tp_axis` names the axis to sum row-parallel outputs
-        over (given when some tp spec splits a param), `ep_axis` the axis tokens travel over to
-        their experts (given when some param `is_expert`)."""
+        On the spec path `params` are global arrays (XLA splits them) and `tp_axis` is None; on the
+        flat path they are tp-local shards inside shard_map and `tp_axis` names the axis to sum
+        row-parallel outputs over (given when some tp spec splits a param). On both paths, when some
+        param `is_expert`, each rank holds its E/ep experts and `ep_axis` names the axis tokens
+        travel over to them (all_to_all)."""
 
     def tp_specs(self, params: PyTree) -> PyTree:
         """Per param its model-parallel `PartitionSpec`: "tp" on the dims Megatron's tensor parallelism
