@@ -42,8 +42,9 @@ experts over ep and is reported on its own.
 
 With `zero.param_gather_dtype` (flat path) the params travel as one-byte codes and an fp32 scale
 per `quantize.BLOCK` elements of each rank's shard: the theory's P becomes P_q, (1 + 4 / BLOCK)
-bytes per param, and `param_gather` reports the codes' and scales' measured bytes beside what the
-same elements would move in bf16 and in the param dtype.
+bytes per param, and `measure.param_gather` reports the codes' and scales' measured bytes beside
+what the same elements would move in bf16 and in the param dtype.
+
 Expert parallelism moves tokens, not params: what one all-to-all carries and how many run per
 micro-batch is the model's estimate (`jzero.model.token_exchange`; jzero's GPT: its MoE blocks'
 [E, C, D] slots); `tokens_theory` is None for a model without one, or with ep = 1.
