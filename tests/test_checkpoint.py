@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jzero.cli import main
-from jzero.train.checkpoint import read_meta
+from jzero.train.ckpt_step import read_meta
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
         "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--quiet"]
