@@ -13,9 +13,9 @@ import functools
 
 import jax
 import pytest
-from test_inspect_cli import needs_cuda
 
 from helpers import tiny_config
+from helpers.commands import needs_cuda
 from jzero.config import validate
 from jzero.inspect import comms, memory
 from jzero.inspect.compile import CompiledStep, abstract_state, compile_step, setup_without_data

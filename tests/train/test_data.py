@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from helpers import init_state, tiny_config
+from helpers.megatron_writer import DATA, DOCUMENTS
 from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.train.data import SyntheticData, TokenData, data_identity, held_out_split, make_datasets, read_text
 from jzero.train.indexed import read_indexed, write_indexed
 from jzero.train.loop import _loop, _Preemption, setup
-from megatron_writer import DATA, DOCUMENTS
 
 
 def text_data(path, seq_len, global_batch, seed):

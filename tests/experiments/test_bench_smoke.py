@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "run.py"
+BENCH = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "run.py"
 
 
 @pytest.mark.slow

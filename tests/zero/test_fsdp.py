@@ -11,10 +11,8 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_fidelity import assert_matches_reference
-from test_moe import MOE
 
-from helpers import tiny_config
+from helpers import MOE, assert_matches_reference, tiny_config
 from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.mesh import MeshConfig, make_mesh

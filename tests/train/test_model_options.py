@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_fidelity import assert_matches_reference
 
-from helpers import tiny_config
+from helpers import assert_matches_reference, tiny_config
 from jzero.config import ConfigError, ModelConfig, PosKind, load_config
 from jzero.train.model import Attention, GPTModel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
 
 

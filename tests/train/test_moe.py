@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
-from test_fidelity import assert_matches_reference, matrix
 
-from helpers import init_state, reference_run, tiny_config
+from helpers import MOE, assert_matches_reference, init_state, matrix, reference_run, tiny_config
 from jzero.config import ConfigError
 from jzero.inspect.compile import abstract_state
 from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
@@ -21,7 +20,6 @@ from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
 from jzero.zero.common.strategies import spec_axes
 
-MOE = {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}  # block 1 of 2 is MoE; drops tokens
 MESHES = [(2, 2, 2), (4, 2, 1)]  # (dp, ep, tp)
 
 

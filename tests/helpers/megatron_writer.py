@@ -4,7 +4,7 @@ The classes below follow `megatron/core/datasets/indexed_dataset.py` (NVIDIA/Meg
 `DType`, `_IndexWriter` and `IndexedDatasetBuilder` (add_item, end_document, add_document,
 finalize), with `torch.Tensor` arguments replaced by numpy arrays. They are kept apart from
 jzero's own writer (`jzero.train.indexed.write_indexed`) so the tests check jzero's reader and
-writer against an independent copy of Megatron's code. `python tests/megatron_writer.py`
+writer against an independent copy of Megatron's code. `python tests/helpers/megatron_writer.py`
 writes the fixtures in tests/data/ again (they are committed: a few hundred bytes).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 # Documents as lists of sequences (preprocess_data's sentences), ids that need each dtype.
 DOCUMENTS = {

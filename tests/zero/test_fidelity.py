@@ -8,54 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import STEPS, grouped_loss, reference_run, rel_param_errors, run_steps, tiny_config
+from helpers import PATHS, STEPS, assert_matches_reference, grouped_loss, matrix, tiny_config
 from jzero.train.loop import setup
 
 # (dp, ep, tp); dense params on ep > 1 meshes, (2, 2, 2) and (4, 2, 1), are in test_moe.py's MoE
 # model, whose attention, embeddings, router and dense block are data-parallel over dp x ep.
 MESHES = [(8, 1, 1), (4, 1, 2)]
 STRATEGIES = ["no_shard", "optim", "optim_grads"]
-PATHS = ["spec", "flat"]
-
-
-def matrix(meshes) -> list:
-    """(strategy, mesh, microbatches, path) cases that run each code path of the step once per mesh
-    and path (`jzero/zero/spec/step.py`, `jzero/zero/flat/step.py`):
-
-      no_shard x 1: DDP's reduction (all-reduce / psum) and its replicated update;
-      optim x 2: the microbatch loop accumulating full local grads (DDP's and ZeRO-1's, laid out
-        alike), then ZeRO-1's one reduce-scatter after the last and its sharded update;
-      optim_grads x 1, x 2: ZeRO-2's reduction at each microbatch, without and with the loop.
-
-    Left out: no_shard x 2 (the loop of optim x 2, then the reduction and update of no_shard x 1:
-    the two strategies differ only in the reduction's output sharding and the state's layout);
-    optim x 1 on the spec path (one microbatch's local grads, as no_shard x 1, then the reduction
-    and update of optim x 2); optim x 1 on the flat path, which builds the very program of
-    optim_grads x 1 (one reduce-scatter, before or after a loop of one).
-    """
-    cases = [("no_shard", 1), ("optim", 2), ("optim_grads", 1), ("optim_grads", 2)]
-    return [
-        pytest.param(strategy, mesh, mb, path, id="{}-dp{}-ep{}-tp{}-{}-{}".format(strategy, *mesh, mb, path))
-        for strategy, mb in cases
-        for mesh in meshes
-        for path in PATHS
-    ]
-
-
-def assert_matches_reference(cfg, devices=None) -> list[dict]:
-    """Trains STEPS steps of `cfg` and checks them against the reference; returns each step's metrics."""
-    ref_init, ref_losses, ref_norms, ref_params = reference_run(cfg)
-    record = []
-    _, init, losses, norms, state = run_steps(cfg, devices=devices, record=record)
-    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(ref_init)):
-        np.testing.assert_array_equal(a, b)  # sharded init is bitwise the unsharded init
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
-    errors = rel_param_errors(state.params, ref_params)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
-    assert len(losses) == STEPS
-    return record
 
 
 @pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))

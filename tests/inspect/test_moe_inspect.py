@@ -10,9 +10,9 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_inspect_cli import TINY, jzero, needs_cuda
 
 from helpers import tiny_config
+from helpers.commands import TINY, jzero, needs_cuda
 from jzero.config import load_config
 from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES
 from jzero.train import moe
@@ -160,7 +160,7 @@ def test_deviceless_h100_reduce_scatters_each_domain(tmp_path):
 
 @pytest.mark.slow
 def test_mixtral_preset_is_46_7b_params():
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "mixtral_8x7b.yaml")
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "mixtral_8x7b.yaml")
     model = GPTModel(cfg.model)
     params = model.abstract_params()
     expert = jax.tree.leaves(model.is_expert(params))

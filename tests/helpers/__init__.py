@@ -1,4 +1,15 @@
-"""Shared test fixtures: a tiny config and the plain single-device optax reference."""
+"""The tests' shared helpers (pyproject's `pythonpath` puts tests/ on sys.path: `from helpers import ...`).
+
+This module: the GPT fixtures most tests share: a tiny config, the plain single-device optax
+reference, jzero's run of a config, and the check of one against the other
+(`assert_matches_reference`, with its `matrix` of cases). Beside it:
+
+    helpers/pytree.py           a small pytree model (a dict of odd-shaped arrays, a tiny loss) for the
+                                tests of each jzero/zero module
+    helpers/commands.py         `jzero hlo` / `jzero memory` run in-process, on a 1-layer GPT
+    helpers/programs.py         small real programs the inspect tests compile (CPU, deviceless H100)
+    helpers/megatron_writer.py  Megatron's indexed-dataset writer, transcribed (the fixtures in tests/data)
+"""
 
 from __future__ import annotations
 
@@ -14,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import SingleDeviceSharding
 
 from jzero.config import Config, OptimizerName, from_dict
@@ -26,6 +38,8 @@ from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ZeroConfig
 
 STEPS = 5
+PATHS = ["spec", "flat"]
+MOE = {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}  # block 1 of 2 is MoE; drops tokens
 REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
 
 
@@ -222,3 +236,43 @@ def rel_param_errors(params, ref) -> dict[str, float]:
         )
         for (path, p), r in zip(flat, ref_flat)
     }
+
+
+def matrix(meshes) -> list:
+    """(strategy, mesh, microbatches, path) cases that run each code path of the step once per mesh
+    and path (`jzero/zero/spec/step.py`, `jzero/zero/flat/step.py`):
+
+      no_shard x 1: DDP's reduction (all-reduce / psum) and its replicated update;
+      optim x 2: the microbatch loop accumulating full local grads (DDP's and ZeRO-1's, laid out
+        alike), then ZeRO-1's one reduce-scatter after the last and its sharded update;
+      optim_grads x 1, x 2: ZeRO-2's reduction at each microbatch, without and with the loop.
+
+    Left out: no_shard x 2 (the loop of optim x 2, then the reduction and update of no_shard x 1:
+    the two strategies differ only in the reduction's output sharding and the state's layout);
+    optim x 1 on the spec path (one microbatch's local grads, as no_shard x 1, then the reduction
+    and update of optim x 2); optim x 1 on the flat path, which builds the very program of
+    optim_grads x 1 (one reduce-scatter, before or after a loop of one).
+    """
+    cases = [("no_shard", 1), ("optim", 2), ("optim_grads", 1), ("optim_grads", 2)]
+    return [
+        pytest.param(strategy, mesh, mb, path, id="{}-dp{}-ep{}-tp{}-{}-{}".format(strategy, *mesh, mb, path))
+        for strategy, mb in cases
+        for mesh in meshes
+        for path in PATHS
+    ]
+
+
+def assert_matches_reference(cfg, devices=None) -> list[dict]:
+    """Trains STEPS steps of `cfg` and checks them against the reference; returns each step's metrics."""
+    ref_init, ref_losses, ref_norms, ref_params = reference_run(cfg)
+    record = []
+    _, init, losses, norms, state = run_steps(cfg, devices=devices, record=record)
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(ref_init)):
+        np.testing.assert_array_equal(a, b)  # sharded init is bitwise the unsharded init
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+    errors = rel_param_errors(state.params, ref_params)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
+    assert len(losses) == STEPS
+    return record

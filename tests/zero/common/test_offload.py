@@ -6,10 +6,9 @@ import json
 
 import jax
 import pytest
-from test_fidelity import assert_matches_reference
-from test_inspect_cli import TINY, jzero, needs_cuda
 
-from helpers import tiny_config
+from helpers import assert_matches_reference, tiny_config
+from helpers.commands import TINY, jzero, needs_cuda
 from jzero.config import ConfigError, load_config
 from jzero.train.loop import setup
 from jzero.zero.common.offload import HOST, choose

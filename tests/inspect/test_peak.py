@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import tiny_config
+from helpers.programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin
 from jzero.inspect import peak
 from jzero.inspect.compile import compile_step, compile_with_dump
-from programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin
 
 
 def _memory(compiled) -> tuple[int, ...]:

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
+from helpers.programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin, sds
 from jzero.inspect import hlo, overlap
 from jzero.inspect.compile import compile_step, compile_with_dump
-from programs import D, cpu_mesh, grad_then_reduce, h100_mesh, needs_gpu_plugin, sds
 
 
 def _gather_beside_matmul(mesh, dependent: bool):
