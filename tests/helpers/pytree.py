@@ -68,13 +68,14 @@ def build(
     inner: optax.GradientTransformation | None = None,
     dtype=jnp.float32,
     zero: dict | None = None,
+    loss_fn=loss,
     **kwargs,
 ):
-    """`build_zero` of this model with `inner` (default Adam, lr 1e-2) on a dp x tp mesh."""
+    """`build_zero` of this model (its `loss`, or `loss_fn`) with `inner` (default Adam, lr 1e-2) on a dp x tp mesh."""
     config = ZeroConfig(strategy=strategy, path=path, **(zero or {}))
     specs = TP_SPECS if tp > 1 else NO_TP
     inner = optax.adam(1e-2) if inner is None else inner
-    return build_zero(loss, inner, mesh(dp, tp), abstract(dtype), specs, config, **kwargs)
+    return build_zero(loss_fn, inner, mesh(dp, tp), abstract(dtype), specs, config, **kwargs)
 
 
 def optax_steps(inner: optax.GradientTransformation, params: dict, batches: list[dict]) -> dict:

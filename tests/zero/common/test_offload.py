@@ -5,13 +5,17 @@ say. Checkpoints moving between fractions: test_checkpoint.py."""
 import json
 
 import jax
+import optax
 import pytest
 
-from helpers import assert_matches_reference, tiny_config
+from helpers import assert_matches_reference, pytree, tiny_config
 from helpers.commands import TINY, jzero, needs_cuda
 from jzero.config import ConfigError, load_config
 from jzero.train.loop import setup
-from jzero.zero.common.offload import HOST, choose
+from jzero.zero.common.offload import HOST, choose, spec_offload
+from jzero.zero.common.strategies import make_plan, path_name
+from jzero.zero.config import ShardingStrategy
+from jzero.zero.spec.optimizer import opt_state_shardings
 
 
 def test_choose_is_megatrons_rule():
@@ -68,3 +72,23 @@ def test_host_bytes_of_the_compiled_program_are_the_formula(tmp_path, target):
     assert c["host_argument"] == c["host_output"] == c["host_alias"] == host["total"]
     device_state = state["params"] + state["main_params"] + state["optimizer_moments"] - host["total"]
     assert c["argument"] == device_state + 4 + 32 * 17 * 4 // 8  # the step counter, this device's batch
+
+
+def test_spec_offload_takes_whole_params_in_leaves_order():
+    """The pytree model on dp 4 under ZeRO-1, in leaves order bias, s, v, w: each device steps 6 (bias stays
+    replicated), 30, 18 and 24 elements of the main params. Half of the 78: bias, s and v (54) are offloaded,
+    Megatron's rule letting the last overshoot; their main params and Adam's moments, never the step count."""
+    plan = make_plan(pytree.mesh(dp=4), ShardingStrategy.OPTIM, pytree.abstract(), pytree.NO_TP)
+    inner = optax.adam(1e-2)
+    shardings = opt_state_shardings(inner, plan, quantized_gather=True)  # with fp32 main params
+    offload = spec_offload(plan, inner, shardings, 0.5)
+    assert offload.units == ("bias", "s", "v") and offload.params == {0, 1, 2}
+    assert (offload.offloaded_numel, offload.total_numel) == (54, 78)
+    assert offload.mask.main_params == {"bias": True, "s": True, "v": True, "w": False}
+    for path, host in jax.tree_util.tree_flatten_with_path(offload.mask.inner_state)[0]:
+        name = path_name(path)
+        assert host == (name.split("/")[-1] in ("bias", "s", "v") and "count" not in name), name
+    host_shardings = offload.shardings(shardings)
+    for s, host in zip(jax.tree.leaves(host_shardings), jax.tree.leaves(offload.mask)):
+        assert (s.memory_kind == HOST) == host
+    assert not spec_offload(plan, inner, shardings, 0.0).active
