@@ -4,17 +4,20 @@ births the state in its shardings, and converts the flat path's state to the spe
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import pytree
 from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES
+from jzero.zero.build import Zero, build_zero
 from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig
 
 
 def test_zero_carries_its_config_and_options():
     z = pytree.build("optim", "flat", microbatches=2, clip_grad=0.5, grad_reduce_dtype=jnp.bfloat16)
+    assert isinstance(z, Zero)
     assert z.config == ZeroConfig("optim", "flat")
     assert z.options == StepOptions(2, np.dtype(jnp.bfloat16), 0.5, None, False)
     assert z.flat is not None and z.flat.plan is z.plan and z.mesh is z.plan.mesh
@@ -24,8 +27,10 @@ def test_zero_carries_its_config_and_options():
 
 
 def test_float16_params_need_loss_scaling():
-    with pytest.raises(ConfigError, match="float16 params need loss scaling"):
-        pytree.build(dtype=jnp.float16)
+    mesh, abstract = pytree.mesh(dp=2), pytree.abstract(jnp.float16)
+    message = r"^float16 params need loss scaling .*: pass loss_scale=jzero\.zero\.DynamicLossScale\(\) to build_zero$"
+    with pytest.raises(ConfigError, match=message):
+        build_zero(pytree.loss, optax.adam(1e-2), mesh, abstract, pytree.NO_TP)
     z = pytree.build(dtype=jnp.float16, loss_scale=DynamicLossScale())
     assert z.options.loss_scale == DynamicLossScale()
 
