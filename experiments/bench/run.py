@@ -57,7 +57,8 @@ HAND_STAGES = {
 COMMON = ["optimizer.clip_grad=null", "optimizer.weight_decay_1d=true", "optimizer.warmup_steps=0", "train.steps=1000"]
 MODELS = {  # name: config overrides on configs/default.yaml
     "tiny": [],  # the default: 0.8M params, 32 x 128 tokens
-    "smoke": ["model.n_layers=1"],  # tests/test_bench_smoke.py: the tiny GPT with one block, compiled in half the time
+    # tests/experiments/test_bench_smoke.py: the tiny GPT with one block, compiled in half the time
+    "smoke": ["model.n_layers=1"],
     # 6.4M params, 8 x 8 tokens (one sequence per device): the matmuls only stream the weights, so
     # the backward costs about what the AdamW update costs, and DDP updates every param on each of the
     # 8 devices where ZeRO-1/2 update 1/8 each: the update is ~half of DDP's step (`ddp_update_share`).

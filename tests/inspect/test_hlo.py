@@ -1,6 +1,6 @@
 """The collectives parser and the GPU targets (jzero.inspect.hlo, jzero.inspect.targets).
 
-Run alone with: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_hlo.py
+Run alone with: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/inspect/test_hlo.py
 """
 
 import sys

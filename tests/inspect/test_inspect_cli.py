@@ -79,7 +79,7 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
 def test_spec_path_on_cpu_shows_all_reduce_for_zero1(tmp_path, capsys):
     """docs/xla.md (reduce-scatter on XLA:CPU), shown not hidden: XLA:CPU reduces ZeRO-1's grads (left
     to XLA by the spec path) with all-reduce + slice. (ZeRO-2/3 reduce-scatter per unit explicitly, in
-    shard_map, so XLA:CPU emits real reduce-scatters for them: tests/test_fsdp_inspect.py.)"""
+    shard_map, so XLA:CPU emits real reduce-scatters for them: tests/inspect/test_fsdp_inspect.py.)"""
     doc = hlo_doc(tmp_path, "--strategies", "no_shard,optim")
     z1 = doc["strategies"]["optim"]
     assert not rows(doc, "optim", "reduce-scatter")
