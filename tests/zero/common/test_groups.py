@@ -79,10 +79,11 @@ def test_adamw_with_every_multiplier_1_is_optax_adamw_bitwise():
     params = pytree.init_params()
     ours, theirs = groups.adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1)
     s1, s2 = ours.init(params), theirs.init(params)
+    grad, update1, update2 = jax.jit(jax.grad(pytree.loss)), jax.jit(ours.update), jax.jit(theirs.update)
     for seed in range(3):
-        g = jax.grad(pytree.loss)(params, pytree.batch(seed))
-        u1, s1 = ours.update(g, s1, params)
-        u2, s2 = theirs.update(g, s2, params)
+        g = grad(params, pytree.batch(seed))
+        u1, s1 = update1(g, s1, params)
+        u2, s2 = update2(g, s2, params)
         for k in params:
             np.testing.assert_array_equal(u1[k], u2[k])
         params = optax.apply_updates(params, u1)
