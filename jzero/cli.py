@@ -80,7 +80,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_ckpt_info(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jzero.train.checkpoint import describe, verify_steps
+    from jzero.train.ckpt_info import describe, verify_steps
 
     try:
         print(describe(args.dir))
