@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jzero import multihost
 from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, resolve_mesh
 from jzero.errors import Preempted, RunError
-from jzero.mesh import make_mesh
+from jzero.mesh import BATCH_AXES, make_mesh
 from jzero.train.data import data_identity, make_datasets
 from jzero.train.model import GPTModel
 from jzero.zero import Zero, build_zero, groups
@@ -151,7 +151,9 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
     devices = jax.devices() if devices is None else devices
     cfg = resolve_mesh(cfg, len(devices))
     mesh = make_mesh(cfg.mesh, devices)
-    model = GPTModel(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
+    # The loss runs per DP rank inside the step's shard_map, manual over BATCH_AXES (both paths).
+    dtype = jnp.dtype(cfg.precision.param_dtype.value)
+    model = GPTModel(cfg.model, param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)
     abstract = model.abstract_params()
     zero = build_zero(
         model.loss_and_metrics,

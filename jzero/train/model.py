@@ -181,12 +181,16 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`)."""
+    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`).
+
+    With `capacity_factor` the experts run fixed slots [E_ep, ep * C, D] (tokens over capacity are
+    dropped by `drop_policy`); without (dropless) they run the routed copies only, sorted by expert,
+    as grouped matmuls."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.num_experts
         self.swiglu = cfg.mlp == MlpKind.SWIGLU
-        self.top_k, self.capacity_factor = cfg.moe.top_k, cfg.moe.capacity_factor
+        self.options = cfg.moe
         fc1 = (e, d, 2, f) if self.swiglu else (e, d, f)
         self.router = nnx.Dict(kernel=_normal(rngs, (d, e), 0.02, dtype))
         self.experts = nnx.Dict(
@@ -194,29 +198,81 @@ class MoE(nnx.Module):
             fc2=_linear(rngs, (e, f, d), out_std, dtype, (e, d) if cfg.bias else None),
         )
 
+    def _activate(self, h, b1):  # fc1's output h[..., (2,) F_tp] plus its bias b1 -> [..., F_tp]
+        if self.swiglu:
+            h = h if b1 is None else h + b1
+            return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+        return jax.nn.gelu(h if b1 is None else h + b1)
+
     def _experts(self, x, tp_axis):  # x [E_ep, S, D] slots of the local experts
         fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
-        if self.swiglu:
-            h = jnp.einsum("esd,edgf->gesf", x, fc1["kernel"][...])
-            if "bias" in fc1:
-                h = h + jnp.moveaxis(fc1["bias"][...], 1, 0)[:, :, None]
-            h = jax.nn.silu(h[0]) * h[1]  # [E_ep, S, F_tp]
-        else:
-            h = jnp.einsum("esd,edf->esf", x, fc1["kernel"][...])
-            h = jax.nn.gelu(h + fc1["bias"][...][:, None] if "bias" in fc1 else h)
+        eq = "esd,edgf->esgf" if self.swiglu else "esd,edf->esf"
+        b1 = fc1["bias"][...][:, None] if "bias" in fc1 else None
+        h = self._activate(jnp.einsum(eq, x, fc1["kernel"][...]), b1)  # [E_ep, S, F_tp]
         y = _reduce_tp(jnp.einsum("esf,efd->esd", h, fc2["kernel"][...]), tp_axis)
         return y + fc2["bias"][...][:, None] if "bias" in fc2 else y
 
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac])."""
+    def _grouped_experts(self, x, group_sizes, group_weight, tp_axis, visits):
+        """x [R, D] rows in consecutive groups (`group_sizes[G]`, group g run by local expert
+        group_weight[g]) -> [R, D]; rows after the last group give 0 (bias aside)."""
+        fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
+        w1 = fc1["kernel"][...]
+        h = moe.grouped_matmul(x, w1.reshape(*w1.shape[:2], -1), group_sizes, group_weight, visits)
+        # The local expert of each row (the last group's past it: those rows are never read back).
+        row_expert = group_weight[jnp.minimum(moe.row_groups(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)]
+        b1 = fc1["bias"][...][row_expert] if "bias" in fc1 else None
+        h = self._activate(h.reshape(x.shape[0], *w1.shape[2:]), b1)  # [R, F_tp]
+        y = _reduce_tp(moe.grouped_matmul(h, fc2["kernel"][...], group_sizes, group_weight, visits), tp_axis)
+        return y + fc2["bias"][...][row_expert] if "bias" in fc2 else y
+
+    def _dropless(self, tokens, expert, tp_axis, ep_axis):
+        """The routed copies [k*N, D] (choice-major) through their experts, routed rows only."""
+        n, e, k = tokens.shape[0], self.options.num_experts, self.options.top_k
+        order, counts = moe.sort_by_expert(expert, e)
+        rows = tokens[order % n]  # [k*N, D] sorted by expert
+        if ep_axis is None:
+            # Every row is routed: the loop's bound is static (its dot flops readable from the program).
+            y = self._grouped_experts(rows, counts, jnp.arange(e), tp_axis, moe.max_visits(k * n, e))
+        else:
+            ex = moe.plan_exchange(counts, n, k, ep_axis)
+            ep = jax.lax.axis_size(ep_axis)
+            buf = moe.exchange(rows, ex, ep * ex.chunk, ep_axis)  # room for the worst case, filled by the routed
+            groups = ex.recv_counts.reshape(-1)  # (source, local expert), source-major
+            y = self._grouped_experts(buf, groups, jnp.tile(jnp.arange(e // ep), ep), tp_axis, None)
+            y = moe.exchange_back(y, ex, k * n, ep_axis)
+        return jnp.zeros_like(y).at[order].set(y)  # back to choice-major
+
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
+        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac, z_loss]).
+
+        dp_axes: the axes the step's data-parallel ranks are spread over (the global
+        load-balancing loss sums its expert counts over them)."""
+        o = self.options
         b, t, d = x.shape
-        tokens = x.reshape(b * t, d)
-        e = self.router["kernel"].shape[-1]
-        cap = moe.capacity(b * t, e, self.top_k, self.capacity_factor)
-        routing = moe.route(tokens, self.router["kernel"][...], self.top_k, cap)
-        slots = moe.to_experts(moe.dispatch(tokens, routing, e, cap), ep_axis)
-        y = moe.combine(moe.from_experts(self._experts(slots, tp_axis), ep_axis), routing, b * t)
-        return y.reshape(b, t, d), jnp.stack([routing.aux_loss, routing.dropped_frac])
+        n, e = b * t, o.num_experts
+        tokens = x.reshape(n, d)
+        dtype = None if o.router_dtype is None else o.router_dtype.value
+        logits = moe.router_logits(tokens, self.router["kernel"][...], dtype)
+        probs, expert, weight = moe.choose(logits, o.top_k)
+        aux = moe.load_balancing_loss(probs, expert, o.top_k, o.aux_loss_kind, t, dp_axes)
+        z = moe.z_loss(logits) if o.z_loss_coef > 0 else jnp.zeros((), jnp.float32)
+        cap = moe.capacity(n, e, o.top_k, o.capacity_factor)
+        if cap is None:
+            y = moe.weighted_sum(self._dropless(tokens, expert, tp_axis, ep_axis), weight, n).astype(x.dtype)
+            dropped = jnp.zeros((), jnp.float32)
+        else:
+            position = moe.queue_position(expert, weight, n, e, o.drop_policy)
+            slot = moe.slots(expert, position, e, cap)
+            kept = position < cap
+            slots = moe.to_experts(moe.dispatch(tokens, slot, e, cap), ep_axis)
+            y = moe.from_experts(self._experts(slots, tp_axis), ep_axis)
+            y = moe.combine(y, slot, jnp.where(kept, weight, 0), n)
+            # A count, not a mean of floats: exactly 0 when nothing is dropped.
+            dropped = jnp.sum(~kept).astype(jnp.float32) / kept.size
+        return y.reshape(b, t, d), jnp.stack([aux, dropped, z])
+
+
+N_STATS = 3  # a block's [aux_loss, dropped_frac, z_loss]
 
 
 def is_moe_block(cfg: ModelConfig, i: int) -> bool:
@@ -232,13 +288,13 @@ class Block(nnx.Module):
         self.ln2 = _norm(cfg, dtype)
         self.mlp = (MoE if is_moe else MLP)(cfg, rngs, dtype, out_std)
 
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac]) (zeros for a dense block)."""
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss]) (zeros for a dense block)."""
         x = x + self.attn(self.ln1(x), tp_axis)
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis)
+            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis, dp_axes)
             return x + y, stats
-        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((2,), jnp.float32)
+        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((N_STATS,), jnp.float32)
 
 
 def _stack(blocks: list[Block]) -> Block:
@@ -260,32 +316,32 @@ class GPT(nnx.Module):
         self.head = None if cfg.tie_embeddings else _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
-    def _run_blocks(self, x, tp_axis, ep_axis):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks).
+    def _run_blocks(self, x, tp_axis, ep_axis, dp_axes):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks).
 
         Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
         before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
             # remat: Megatron's full recompute, keeping only each block's input for backward
-            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis)  # noqa: E731
+            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes)  # noqa: E731
             return units.unit(block, state, x, remat=self.remat)
         if self.scan_layers:
             graphdef, states = nnx.split(self.blocks)
             x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)
             return x, stats.sum(axis=0)
-        stats = jnp.zeros((2,), jnp.float32)
+        stats = jnp.zeros((N_STATS,), jnp.float32)
         for block in self.blocks:
             x, s = layer(*nnx.split(block), x)
             stats = stats + s
         return x, stats
 
-    def __call__(self, tokens, tp_axis=None, ep_axis=None):
-        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac] summed over MoE blocks)."""
+    def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=()):
+        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE blocks)."""
         x = self.tok_emb[...][tokens]
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
-        x, stats = self._run_blocks(x, tp_axis, ep_axis)
+        x, stats = self._run_blocks(x, tp_axis, ep_axis, dp_axes)
         x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
         return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats
@@ -295,14 +351,19 @@ class GPTModel:
     """The functional face of `GPT`: params are a plain nested dict of arrays.
 
     init() -> params; loss(params, tokens) -> mean next-token cross-entropy (plus the MoE
-    blocks' load-balancing loss), where tokens are [B, T + 1] int32 (inputs are
+    blocks' load-balancing and z losses), where tokens are [B, T + 1] int32 (inputs are
     tokens[:, :-1], targets tokens[:, 1:]). With MoE the tokens of one call are one routing
     group: a single device reproduces a data-parallel run by calling it per rank and
     microbatch (`tests/helpers.py`).
+
+    dp_axes: the axes the loss's data-parallel ranks are spread over when it runs (the mesh's
+    `BATCH_AXES` inside the ZeRO step's shard_map; a vmap axis for a single-device reference);
+    `model.moe.aux_loss_kind: global` sums its expert counts over them. () = each call's
+    tokens are the whole batch.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0):
-        self.cfg, self.dtype, self.seed = cfg, jnp.dtype(param_dtype), seed
+    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes: tuple[str, ...] = ()):
+        self.cfg, self.dtype, self.seed, self.dp_axes = cfg, jnp.dtype(param_dtype), seed, tuple(dp_axes)
         self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(seed), self.dtype)))
 
     @property
@@ -350,15 +411,17 @@ class GPTModel:
         return jax.tree_util.tree_map_with_path(ndim, params)
 
     def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
-        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' mean
-        `aux_loss` (before its coefficient) and `dropped_frac`."""
-        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis)
+        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' means, before their
+        coefficients, of the load-balancing loss (named by its kind, `moe.AUX_METRIC`), of
+        `dropped_frac` and, with `z_loss_coef` > 0, of `z_loss`."""
+        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        n = self.n_moe_blocks
+        n, o = self.n_moe_blocks, self.cfg.moe
         if n == 0:
             return loss, {}
-        loss = loss + self.cfg.moe.aux_loss_coef * stats[0]
-        return loss, {"aux_loss": stats[0] / n, "dropped_frac": stats[1] / n}
+        loss = loss + o.aux_loss_coef * stats[0] + o.z_loss_coef * stats[2]
+        metrics = {moe.AUX_METRIC[o.aux_loss_kind]: stats[0] / n, "dropped_frac": stats[1] / n}
+        return loss, metrics | ({"z_loss": stats[2] / n} if o.z_loss_coef > 0 else {})
 
     def loss(self, params, tokens, tp_axis=None, ep_axis=None):
         return self.loss_and_metrics(params, tokens, tp_axis, ep_axis)[0]
