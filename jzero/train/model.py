@@ -212,17 +212,17 @@ class MoE(nnx.Module):
         y = _reduce_tp(jnp.einsum("esf,efd->esd", h, fc2["kernel"][...]), tp_axis)
         return y + fc2["bias"][...][:, None] if "bias" in fc2 else y
 
-    def _grouped_experts(self, x, group_sizes, group_weight, tp_axis, visits):
-        """x [R, D] rows in consecutive groups (`group_sizes[G]`, group g run by local expert
-        group_weight[g]) -> [R, D]; rows after the last group give 0 (bias aside)."""
+    def _grouped_experts(self, x, group_sizes, tp_axis):
+        """x [R, D] rows in consecutive groups, `group_sizes[E_ep]` rows for each local expert ->
+        [R, D]; rows after the last group give 0 (bias aside)."""
         fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
         w1 = fc1["kernel"][...]
-        h = moe.grouped_matmul(x, w1.reshape(*w1.shape[:2], -1), group_sizes, group_weight, visits)
-        # The local expert of each row (the last group's past it: those rows are never read back).
-        row_expert = group_weight[jnp.minimum(moe.row_groups(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)]
+        h = moe.grouped_matmul(x, w1.reshape(*w1.shape[:2], -1), group_sizes)
+        # The local expert of each row (the last one past the groups: those rows are never read back).
+        row_expert = jnp.minimum(moe.row_groups(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)
         b1 = fc1["bias"][...][row_expert] if "bias" in fc1 else None
         h = self._activate(h.reshape(x.shape[0], *w1.shape[2:]), b1)  # [R, F_tp]
-        y = _reduce_tp(moe.grouped_matmul(h, fc2["kernel"][...], group_sizes, group_weight, visits), tp_axis)
+        y = _reduce_tp(moe.grouped_matmul(h, fc2["kernel"][...], group_sizes), tp_axis)
         return y + fc2["bias"][...][row_expert] if "bias" in fc2 else y
 
     def _dropless(self, tokens, expert, tp_axis, ep_axis):
@@ -230,15 +230,18 @@ class MoE(nnx.Module):
         n, e, k = tokens.shape[0], self.options.num_experts, self.options.top_k
         order, counts = moe.sort_by_expert(expert, e)
         rows = tokens[order % n]  # [k*N, D] sorted by expert
-        if ep_axis is None:
-            # Every row is routed: the loop's bound is static (its dot flops readable from the program).
-            y = self._grouped_experts(rows, counts, jnp.arange(e), tp_axis, moe.max_visits(k * n, e))
+        if ep_axis is None or jax.lax.axis_size(ep_axis) == 1:
+            y = self._grouped_experts(rows, counts, tp_axis)
         else:
             ex = moe.plan_exchange(counts, n, k, ep_axis)
             ep = jax.lax.axis_size(ep_axis)
             buf = moe.exchange(rows, ex, ep * ex.chunk, ep_axis)  # room for the worst case, filled by the routed
-            groups = ex.recv_counts.reshape(-1)  # (source, local expert), source-major
-            y = self._grouped_experts(buf, groups, jnp.tile(jnp.arange(e // ep), ep), tp_axis, None)
+            if e // ep == 1:  # one local expert: the source-major buffer is its one group
+                y = self._grouped_experts(buf, ex.recv_counts.sum(axis=0), tp_axis)
+            else:
+                at = moe.expert_major(ex, buf.shape[0])
+                y = self._grouped_experts(buf[at], ex.recv_counts.sum(axis=0), tp_axis)
+                y = jnp.zeros_like(y).at[at].set(y)
             y = moe.exchange_back(y, ex, k * n, ep_axis)
         return jnp.zeros_like(y).at[order].set(y)  # back to choice-major
 

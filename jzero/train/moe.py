@@ -33,10 +33,11 @@ import jax.numpy as jnp
 
 from jzero.config import AuxLossKind, DropPolicy
 
-# Rows per tile of `grouped_matmul`: one [TILE, D] x [D, F] dot per tile a group's rows touch. Big
-# enough for a GPU GEMM to run near its peak, small enough that the tiles groups share (at most one
-# extra per group) stay a small share of the routed rows at real sizes.
-TILE = 128
+# Rows per tile of `grouped_matmul` (`tile_rows`): the rows per group, within these bounds. On an
+# H100 a loop turn costs about as much as a [128, 4096] x [4096, 14336] dot, so tiles of 1024
+# rows run Mixtral's experts 2.5x faster than 128 (docs/moe.md); each group wastes at most one
+# partial tile.
+MIN_TILE, MAX_TILE = 128, 1024
 
 AUX_METRIC = {  # metrics.jsonl's name of the load-balancing loss (Megatron's tracker names, less `load_`)
     AuxLossKind.MICRO_BATCH: "aux_loss",
@@ -266,6 +267,20 @@ def exchange_back(y: jax.Array, ex: Exchange, n_copies: int, ep_axis: str) -> ja
     )
 
 
+def expert_major(ex: Exchange, rows: int) -> jax.Array:
+    """[rows]: for each row of the buffer ordered by local expert, then source (the grouped matmul's
+    groups), its row in the exchange's source-major buffer (a permutation; rows past the received
+    ones stay put). With one local expert the two orders are the same."""
+    counts = ex.recv_counts  # [ep, E_l]
+    n = counts.size
+    source_major = ex.recv_offsets[:, None] + jnp.cumsum(counts, axis=1) - counts  # where (source, expert) starts
+    sizes = counts.T.reshape(-1)  # (expert, source) groups
+    group = row_groups(sizes, rows)
+    g = jnp.minimum(group, n - 1)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    return jnp.where(group < n, source_major.T.reshape(-1)[g] + r - (jnp.cumsum(sizes) - sizes)[g], r)
+
+
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, chunk):
     """`jax.lax.ragged_all_to_all` with one slice per rank of `axis_name`: moves only the rows sent.
 
@@ -295,27 +310,12 @@ def _dense_ragged_all_to_all(
 # ---------------------------------------------------------------- grouped matmul
 
 
-def grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, group_weight: jax.Array, visits: int | None = None
-) -> jax.Array:
-    """y[R, F] = x[r] @ w[group_weight[g]] for each row r of group g; rows after the last group are 0.
-
-    x[R, D]: rows in consecutive groups of `group_sizes[G]` rows; w[W, D, F]; group_weight[G]: each
-    group's weight index. The rows run in tiles of `TILE`: one dot per (tile, group) pair that
-    shares rows, so the dots cover the routed rows plus at most one partial tile per group, not
-    every row times every expert (as `jax.lax.ragged_dot` does on XLA:CPU and XLA:GPU, which expand
-    it into a dense dot per group; docs/moe.md). `visits`: a static bound on those pairs (the loop
-    then has a known trip count, its extra turns write nothing); None: run exactly the pairs the
-    group sizes need (a loop whose trip count the data sets).
-    """
-    tile = min(TILE, -(-x.shape[0] // 8) * 8)
-    pad = -x.shape[0] % tile
-    # One manual-axis type for both operands (inside shard_map), so the custom VJP's cotangents have
-    # their primal's: adding a zero scalar of the other casts to varying, whose transpose is the psum.
-    xs = jnp.pad(x, ((0, pad), (0, 0))) + jnp.zeros_like(w, shape=(), dtype=x.dtype)
-    ws = w + jnp.zeros_like(x, shape=(), dtype=w.dtype)
-    y = _gmm(tile, visits, xs, ws, group_sizes.astype(jnp.int32), group_weight.astype(jnp.int32))
-    return y[: x.shape[0]]
+def tile_rows(rows: int, groups: int) -> int:
+    """`grouped_matmul`'s tile: the rows per group rounded down to a power of two, within
+    [MIN_TILE, MAX_TILE] (and no more than the rows, rounded up to 8)."""
+    per_group = max(rows // max(groups, 1), 1)
+    tile = min(MAX_TILE, max(MIN_TILE, 1 << (per_group.bit_length() - 1)))
+    return min(tile, -(-rows // 8) * 8)
 
 
 def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -324,86 +324,100 @@ def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.cumsum(jnp.zeros((rows + 1,), jnp.int32).at[ends].add(1, mode="drop"))[:rows]
 
 
-def max_visits(rows: int, groups: int) -> int:
-    """The most (tile, group) pairs `grouped_matmul` runs on `rows` rows in `groups` groups."""
-    tile = min(TILE, -(-rows // 8) * 8)
-    return -(-rows // tile) + groups - 1
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """y[R, F]: x[r] @ w[g] for each row r of group g; rows after the last group are 0.
+
+    x[R, D]: rows in G consecutive groups of `group_sizes[G]` rows (some may be empty); w[G, D, F].
+    The rows run in tiles (`tile_rows`): one [tile, D] x [D, F] dot per (tile, group) pair that
+    shares rows, and a loop over the pairs the group sizes need, so the dots cover the routed rows
+    plus at most one partial tile per group, however many rows the buffer has room for (not every
+    row times every group, which is what `jax.lax.ragged_dot` costs on XLA:CPU and XLA:GPU: they
+    expand it into a dense dot per group; docs/moe.md). The weight grad sums each group's tiles in
+    fp32. The loops' trip counts are the data's: XLA does not know them (`jzero hlo` counts each
+    loop body once).
+    """
+    tile = tile_rows(x.shape[0], w.shape[0])
+    pad = -x.shape[0] % tile
+    # One manual-axis type for both operands (inside shard_map), so the custom VJP's cotangents have
+    # their primal's: adding a zero scalar of the other casts to varying, whose transpose is the psum.
+    xs = jnp.pad(x, ((0, pad), (0, 0))) + jnp.zeros_like(w, shape=(), dtype=x.dtype)
+    ws = w + jnp.zeros_like(x, shape=(), dtype=w.dtype)
+    return _gmm(tile, xs, ws, group_sizes.astype(jnp.int32))[: x.shape[0]]
 
 
-class _Visits(NamedTuple):
+class _Tiles(NamedTuple):
     starts: jax.Array  # [G] first row of each group
     ends: jax.Array  # [G] one past its last row
     first: jax.Array  # [G] first tile a group touches
-    ends_v: jax.Array  # [G] cumulative (tile, group) pairs through group g
+    count: jax.Array  # [G] tiles it touches
+    visits: jax.Array  # [G] (tile, group) pairs through group g
 
 
-def _plan_visits(group_sizes: jax.Array, tile: int) -> _Visits:
+def _tiles(group_sizes: jax.Array, tile: int) -> _Tiles:
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     first = starts // tile
-    n = jnp.where(group_sizes > 0, (ends - 1) // tile - first + 1, 0)
-    return _Visits(starts, ends, first, jnp.cumsum(n))
+    count = jnp.where(group_sizes > 0, (ends - 1) // tile - first + 1, 0)
+    return _Tiles(starts, ends, first, count, jnp.cumsum(count))
 
 
-def _visit(v, p: _Visits, tile: int, n_tiles: int):
-    """Visit v -> (group, first row of its tile, [tile] mask of the tile's rows in that group)."""
-    g = jnp.sum(p.ends_v <= v)  # searchsorted(side="right"), which fails on shard_map's varying values in jax 0.10
-    gc = jnp.minimum(g, p.ends_v.shape[0] - 1)
-    before = jnp.where(gc > 0, p.ends_v[jnp.maximum(gc - 1, 0)], 0)  # pairs of the groups before gc
-    t = jnp.clip(p.first[gc] + v - before, 0, n_tiles - 1)
+def _tile(p: _Tiles, g, i, tile: int, n_tiles: int):
+    """Group g's i-th tile -> (its first row, [tile] mask of its rows in group g)."""
+    t = jnp.minimum(p.first[g] + i, n_tiles - 1)
     row = t * tile + jnp.arange(tile)
-    mask = (g < p.ends_v.shape[0]) & (row >= p.starts[gc]) & (row < p.ends[gc])
-    return gc, t * tile, mask
+    return t * tile, (row >= p.starts[g]) & (row < p.ends[g])
 
 
-def _tile_dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+def _visit(p: _Tiles, v, tile: int, n_tiles: int):
+    """The v-th (tile, group) pair -> (group, first row of the tile, mask of the group's rows)."""
+    g = jnp.sum(p.visits <= v)  # searchsorted(side="right"), which fails on shard_map's varying values in jax 0.10
+    g = jnp.minimum(g, p.visits.shape[0] - 1)
+    return (g, *_tile(p, g, v - (p.visits[g] - p.count[g]), tile, n_tiles))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gmm(tile, visits, x, w, group_sizes, group_weight):
-    return _gmm_fwd(tile, visits, x, w, group_sizes, group_weight)[0]
-
-
-def _loop(visits, p: _Visits, body, init):
-    bound = p.ends_v[-1] if visits is None else visits
-    return jax.lax.fori_loop(0, bound, body, init)
-
-
-def _gmm_fwd(tile, visits, x, w, group_sizes, group_weight):
-    p = _plan_visits(group_sizes, tile)
+def _rows_times(x, w, p: _Tiles, tile: int, transpose: bool):
+    """The flat loop over (tile, group) pairs: y[r] = x[r] @ w[g] (w[g].T with `transpose`)."""
     n_tiles = x.shape[0] // tile
 
     def body(v, y):
-        g, start, mask = _visit(v, p, tile, n_tiles)
-        w_g = jax.lax.dynamic_index_in_dim(w, group_weight[g], keepdims=False)
-        y_t = _tile_dot(jax.lax.dynamic_slice_in_dim(x, start, tile), w_g).astype(y.dtype)
+        g, start, mask = _visit(p, v, tile, n_tiles)
+        w_g = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
+        y_t = jnp.dot(jax.lax.dynamic_slice_in_dim(x, start, tile), w_g.T if transpose else w_g,
+                      preferred_element_type=jnp.float32)  # fmt: skip
         old = jax.lax.dynamic_slice_in_dim(y, start, tile)
-        return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(mask[:, None], y_t, old), start, 0)
+        return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(mask[:, None], y_t.astype(y.dtype), old), start, 0)
 
-    y = _loop(visits, p, body, jnp.zeros_like(x, shape=(x.shape[0], w.shape[-1])))
-    return y, (x, w, group_sizes, group_weight)
+    out = w.shape[1] if transpose else w.shape[2]
+    return jax.lax.fori_loop(0, p.visits[-1], body, jnp.zeros_like(x, shape=(x.shape[0], out)))
 
 
-def _gmm_bwd(tile, visits, res, dy):
-    x, w, group_sizes, group_weight = res
-    p = _plan_visits(group_sizes, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm(tile, x, w, group_sizes):
+    return _rows_times(x, w, _tiles(group_sizes, tile), tile, transpose=False)
+
+
+def _gmm_fwd(tile, x, w, group_sizes):
+    return _gmm(tile, x, w, group_sizes), (x, w, group_sizes)
+
+
+def _gmm_bwd(tile, res, dy):
+    x, w, group_sizes = res
+    p = _tiles(group_sizes, tile)
     n_tiles = x.shape[0] // tile
+    dx = _rows_times(dy, w, p, tile, transpose=True)
 
-    def body(v, carry):
-        dx, dw = carry
-        g, start, mask = _visit(v, p, tile, n_tiles)
-        i = group_weight[g]
-        dy_t = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(dy, start, tile), 0)
-        dx_t = _tile_dot(dy_t, jax.lax.dynamic_index_in_dim(w, i, keepdims=False).T).astype(dx.dtype)
-        old = jax.lax.dynamic_slice_in_dim(dx, start, tile)
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, jnp.where(mask[:, None], dx_t, old), start, 0)
-        dw_i = jax.lax.dynamic_index_in_dim(dw, i, keepdims=True)
-        dw_t = _tile_dot(jax.lax.dynamic_slice_in_dim(x, start, tile).T, dy_t)  # masked rows of dy are 0
-        return dx, jax.lax.dynamic_update_index_in_dim(dw, dw_i + dw_t[None], i, 0)
+    def group(g, dw):  # dw[g] = sum over g's tiles of x_t^T dy_t, masked to g's rows, in fp32
+        def add_tile(i, acc):
+            start, mask = _tile(p, g, i, tile, n_tiles)
+            dy_t = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(dy, start, tile), 0)
+            x_t = jax.lax.dynamic_slice_in_dim(x, start, tile)
+            return acc + jax.lax.dot_general(x_t, dy_t, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-    dx, dw = _loop(visits, p, body, (jnp.zeros_like(x), jnp.zeros_like(w, dtype=jnp.float32)))
-    return dx, dw.astype(w.dtype), None, None
+        acc = jax.lax.fori_loop(0, p.count[g], add_tile, jnp.zeros_like(dy, shape=w.shape[1:], dtype=jnp.float32))
+        return jax.lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), g, 0)
+
+    dw = jax.lax.fori_loop(0, w.shape[0], group, jnp.zeros_like(w))
+    return dx, dw, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
