@@ -198,8 +198,13 @@ def tokens_theory(c: CompiledStep) -> dict | None:
     back: 2 all-to-alls forward, their 2 transposes backward, and 2 more where remat
     recomputes the forward, per MoE block and micro-batch.
 
+    Dropless (`capacity_factor: null`), each exchange is a ragged all-to-all of the rank's routed
+    copies `[k N, D]` (`moe.exchange`), as many per step; what it moves depends on the routing:
+    `wire_bytes` is its (ep-1)/ep share under uniform routing. XLA:CPU, which has no ragged
+    all-to-all, sends `[ep, N min(k, E/ep), D]` padded slices by a dense all-to-all instead.
+
     Returns: {ep, slot_bytes (the operand B), wire_bytes ((ep-1)/ep B, one all-to-all),
-    per_step (all-to-alls per step), per_step_wire_bytes}.
+    per_step (all-to-alls per step), per_step_wire_bytes, dropless}.
     """
     cfg, m = c.cfg, c.cfg.model
     ep = cfg.mesh.ep
@@ -207,12 +212,13 @@ def tokens_theory(c: CompiledStep) -> dict | None:
         return None
     tokens = cfg.train.global_batch // (cfg.dp_domain_size * cfg.train.microbatches) * m.seq_len
     cap = moe.capacity(tokens, m.moe.num_experts, m.moe.top_k, m.moe.capacity_factor)
-    slot = m.moe.num_experts * cap * m.d_model * jnp.dtype(cfg.precision.param_dtype.value).itemsize
+    rows = m.moe.top_k * tokens if cap is None else m.moe.num_experts * cap
+    slot = rows * m.d_model * jnp.dtype(cfg.precision.param_dtype.value).itemsize
     n_moe = sum(is_moe_block(m, i) for i in range(m.n_layers))
     per_step = n_moe * cfg.train.microbatches * (6 if m.remat else 4)
     one = hlo.ring_wire_bytes("all-to-all", slot, ep)
     return {"ep": ep, "slot_bytes": slot, "wire_bytes": one, "per_step": per_step,
-            "per_step_wire_bytes": per_step * one}  # fmt: skip
+            "per_step_wire_bytes": per_step * one, "dropless": cap is None}  # fmt: skip
 
 
 CODES = ("s8", "u8")  # the quantized gather's codes: int8, and fp8's bytes (`quantize.py`)
@@ -417,7 +423,9 @@ def analyze(c: CompiledStep) -> dict:
     tokens = tokens_theory(c)
     if tokens is not None:
         tokens["measured"] = {"count": sum(r["count"] for r in a2a), "wire_bytes": a2a_wire,
-                              "per_step_wire_bytes": a2a_step}  # fmt: skip
+                              "per_step_wire_bytes": a2a_step,  # fmt: skip
+                              # dropless on a GPU: ragged all-to-alls, whose bytes the routing decides
+                              "ragged_count": text.count("ragged-all-to-all-start(") + text.count("ragged-all-to-all(")}
     return {
         "compile_s": round(c.compile_s, 3),
         "collectives": rows,  # per instruction: a collective in a loop body counts once
@@ -578,7 +586,15 @@ def format_report(doc: dict) -> str:
                 f"bfloat16 {human(pg['bf16_wire_bytes'])} ({pg['saving_vs_bf16']:.2f}x the bytes){vs}"
             )
         tok = s["tokens"]
-        if tok is not None:
+        if tok is not None and tok.get("dropless"):
+            m = tok["measured"]
+            lines.append(
+                f"  tokens (not DP), dropless: {m['ragged_count']} ragged all-to-all(s) over ep of the routed copies, "
+                f"(ep-1)/ep*[k N, D] = {human(tok['wire_bytes'])} each under uniform routing, {tok['per_step']} per "
+                f"step; all-to-all {human(m['wire_bytes'])} in {m['count']} instruction(s) (counts and offsets; "
+                "on XLA:CPU the padded slices)"
+            )
+        elif tok is not None:
             m = tok["measured"]
             lines.append(
                 f"  tokens (not DP): all-to-all over ep {human(m['wire_bytes'])} in {m['count']} instruction(s); "
