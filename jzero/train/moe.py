@@ -200,9 +200,8 @@ def from_experts(y: jax.Array, ep_axis: str | None) -> jax.Array:
 
 def sort_by_expert(expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """expert[k*N] -> (order[k*N]: copy indices sorted by expert, token order kept; counts[E] int32)."""
-    return jnp.argsort(expert, stable=True).astype(jnp.int32), jnp.bincount(expert, length=num_experts).astype(
-        jnp.int32
-    )
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    return order, jnp.bincount(expert, length=num_experts).astype(jnp.int32)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
