@@ -76,23 +76,48 @@ class PosKind(str, enum.Enum):
     ROPE = "rope"  # rotary embeddings on q and k, no params (LLaMA)
 
 
+class DropPolicy(str, enum.Enum):
+    """`model.moe.drop_policy`: which token copies an expert over capacity keeps (Megatron's
+    `moe_token_drop_policy`, and GShard's rule)."""
+
+    PROBS = "probs"  # the highest routing probabilities (Megatron's default)
+    POSITION = "position"  # the earliest tokens; the rest, at the end of the rank's batch, drop
+    CHOICE_THEN_POSITION = "choice_then_position"  # GShard: first choices before second, then position
+
+
+class AuxLossKind(str, enum.Enum):
+    """`model.moe.aux_loss_kind`: over which tokens Switch's load-balancing loss takes its statistics
+    (Megatron's `moe_router_load_balancing_type`)."""
+
+    MICRO_BATCH = "micro_batch"  # each rank's micro-batch (Megatron's aux_loss)
+    SEQUENCE = "sequence"  # each sequence, averaged (seq_aux_loss; DeepSeek-V2/V3)
+    GLOBAL = "global"  # expert counts over every DP rank's micro-batch (global_aux_loss)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Mixture of experts (Switch/GShard): some blocks' MLP becomes `num_experts` MLPs and a router.
+    """Mixture of experts (Switch/GShard, Megatron's `topk` router): some blocks' MLP becomes
+    `num_experts` MLPs and a router.
 
     A softmax router sends each token to its `top_k` most probable experts, weighting each
     expert's output by that probability. Each rank routes its own tokens (per microbatch):
-    an expert takes at most `ceil(capacity_factor * top_k * tokens / num_experts)` of them,
-    first choices before second choices, and drops the rest (`dropped_frac` in the metrics);
-    the load-balancing loss is Switch's (Megatron's `aux_loss`). Expert weights are stacked
-    on an expert dim split over `mesh.ep`; tokens reach them by all-to-all over ep.
+    an expert takes at most Megatron's `ceil((tokens * top_k / num_experts) * capacity_factor)`
+    of them and drops the rest by `drop_policy` (`dropped_frac` in the metrics); without a
+    capacity (null) nothing is dropped and the experts run only the routed tokens. The
+    load-balancing loss is Switch's over `aux_loss_kind`'s tokens, the z-loss ST-MoE's.
+    Expert weights are stacked on an expert dim split over `mesh.ep`; tokens reach them by
+    all-to-all over ep.
     """
 
     num_experts: int = 0  # 0 = a dense model
     top_k: int = 2
     every: int = 1  # blocks every-1, 2*every-1, ... are MoE (Megatron's moe_layer_freq)
-    capacity_factor: float | None = 1.25  # null = dropless (an expert may take every token)
+    capacity_factor: float | None = 1.25  # null = dropless: grouped matmuls over the routed tokens only
+    drop_policy: DropPolicy = DropPolicy.PROBS  # over capacity: keep the most probable copies
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss, per MoE block
+    aux_loss_kind: AuxLossKind = AuxLossKind.MICRO_BATCH
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss weight, per MoE block (Megatron: 1e-3 to start); 0 = off
+    router_dtype: DType | None = DType.FLOAT32  # router logits, probabilities and output weighting; null = activations'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,8 +519,9 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         )
     if moe.capacity_factor is not None:
         _positive("model.moe.capacity_factor", moe.capacity_factor)
-    if not moe.aux_loss_coef >= 0:
-        raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if not getattr(moe, key) >= 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
 
 
 def _check_gpt(m: ModelConfig, mesh: MeshConfig) -> None:

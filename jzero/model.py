@@ -2,9 +2,12 @@
 the config names one.
 
 `model.impl: "module:Class"` (default `jzero.train.model:GPTModel`, jzero's GPT) names the class;
-`make_model` imports it and builds `Class(cfg.model, param_dtype=..., seed=train.seed)`. The class
-reads the `model:` keys it needs (a model of one's own may ignore the GPT's: `n_heads`, `mlp`, ...)
-and raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 2 from the CLI).
+`make_model` imports it and builds `Class(cfg.model, param_dtype=..., seed=train.seed, dp_axes=...)`.
+The class reads the `model:` keys it needs (a model of one's own may ignore the GPT's: `n_heads`,
+`mlp`, ...) and raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 2 from
+the CLI). `dp_axes` are the mesh axes each rank's loss runs manual over (`jzero.mesh.BATCH_AXES`):
+a model that needs statistics over the whole data-parallel batch (a MoE's global load balance)
+sums them over these; a model that needs none ignores it.
 
 Params are any pytree of arrays (jzero's GPT: a nested dict); every `...(params)` method below
 takes the params or their `ShapeDtypeStruct`s (`abstract_params()`) and returns a tree of the same
@@ -90,10 +93,13 @@ class TokenExchange:
         in param_dtype); one all-to-all moves (ep-1)/ep of it.
       per_microbatch: all-to-alls per micro-batch (jzero's GPT: 4 per MoE block, 2 forward and
         their transposes backward, 6 with remat).
+      dropless: the exchange is ragged (jzero's GPT without capacity: its routed copies `[k N, D]`);
+        `slot_bytes` is then their bytes, what uniform routing moves.
     """
 
     slot_bytes: int
     per_microbatch: int
+    dropless: bool = False  # a ragged all-to-all of the routed copies: what it moves depends on the routing
 
 
 def token_exchange(model: Model, tokens: int) -> TokenExchange | None:
@@ -138,8 +144,12 @@ def model_class(path: str) -> type:
 
 
 def make_model(cfg: Config) -> Model:
-    """The model `cfg.model.impl` names, built as `Class(cfg.model, param_dtype=..., seed=cfg.train.seed)`."""
+    """The model `cfg.model.impl` names, built as `Class(cfg.model, param_dtype=..., seed=cfg.train.seed,
+    dp_axes=jzero.mesh.BATCH_AXES)`."""
     import jax.numpy as jnp
 
+    from jzero.mesh import BATCH_AXES
+
     cls = model_class(cfg.model.impl)
-    return cls(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
+    dtype = jnp.dtype(cfg.precision.param_dtype.value)
+    return cls(cfg.model, param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)

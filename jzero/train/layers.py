@@ -127,12 +127,16 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`)."""
+    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`).
+
+    With `capacity_factor` the experts run fixed slots [E_ep, ep * C, D] (tokens over capacity are
+    dropped by `drop_policy`); without (dropless) they run the routed copies only, sorted by expert,
+    as grouped matmuls."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.num_experts
         self.swiglu = cfg.mlp == MlpKind.SWIGLU
-        self.top_k, self.capacity_factor = cfg.moe.top_k, cfg.moe.capacity_factor
+        self.options = cfg.moe
         fc1 = (e, d, 2, f) if self.swiglu else (e, d, f)
         self.router = nnx.Dict(kernel=normal(rngs, (d, e), 0.02, dtype))
         self.experts = nnx.Dict(
@@ -140,29 +144,84 @@ class MoE(nnx.Module):
             fc2=_linear(rngs, (e, f, d), out_std, dtype, (e, d) if cfg.bias else None),
         )
 
+    def _activate(self, h, b1):  # fc1's output h[..., (2,) F_tp] plus its bias b1 -> [..., F_tp]
+        if self.swiglu:
+            h = h if b1 is None else h + b1
+            return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+        return jax.nn.gelu(h if b1 is None else h + b1)
+
     def _experts(self, x, tp_axis):  # x [E_ep, S, D] slots of the local experts
         fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
-        if self.swiglu:
-            h = jnp.einsum("esd,edgf->gesf", x, fc1["kernel"][...])
-            if "bias" in fc1:
-                h = h + jnp.moveaxis(fc1["bias"][...], 1, 0)[:, :, None]
-            h = jax.nn.silu(h[0]) * h[1]  # [E_ep, S, F_tp]
-        else:
-            h = jnp.einsum("esd,edf->esf", x, fc1["kernel"][...])
-            h = jax.nn.gelu(h + fc1["bias"][...][:, None] if "bias" in fc1 else h)
+        eq = "esd,edgf->esgf" if self.swiglu else "esd,edf->esf"
+        b1 = fc1["bias"][...][:, None] if "bias" in fc1 else None
+        h = self._activate(jnp.einsum(eq, x, fc1["kernel"][...]), b1)  # [E_ep, S, F_tp]
         y = _reduce_tp(jnp.einsum("esf,efd->esd", h, fc2["kernel"][...]), tp_axis)
         return y + fc2["bias"][...][:, None] if "bias" in fc2 else y
 
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac])."""
+    def _grouped_experts(self, x, group_sizes, tp_axis):
+        """x [R, D] rows in consecutive groups, `group_sizes[E_ep]` rows for each local expert ->
+        [R, D]; rows after the last group give 0 (bias aside)."""
+        fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
+        w1 = fc1["kernel"][...]
+        h = moe.grouped_matmul(x, w1.reshape(*w1.shape[:2], -1), group_sizes)
+        # The local expert of each row (the last one past the groups: those rows are never read back).
+        row_expert = jnp.minimum(moe.row_groups(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)
+        b1 = fc1["bias"][...][row_expert] if "bias" in fc1 else None
+        h = self._activate(h.reshape(x.shape[0], *w1.shape[2:]), b1)  # [R, F_tp]
+        y = _reduce_tp(moe.grouped_matmul(h, fc2["kernel"][...], group_sizes), tp_axis)
+        return y + fc2["bias"][...][row_expert] if "bias" in fc2 else y
+
+    def _dropless(self, tokens, expert, tp_axis, ep_axis):
+        """The routed copies [k*N, D] (choice-major) through their experts, routed rows only."""
+        n, e, k = tokens.shape[0], self.options.num_experts, self.options.top_k
+        order, counts = moe.sort_by_expert(expert, e)
+        rows = tokens[order % n]  # [k*N, D] sorted by expert
+        if ep_axis is None or jax.lax.axis_size(ep_axis) == 1:
+            y = self._grouped_experts(rows, counts, tp_axis)
+        else:
+            ex = moe.plan_exchange(counts, n, k, ep_axis)
+            ep = jax.lax.axis_size(ep_axis)
+            buf = moe.exchange(rows, ex, ep * ex.chunk, ep_axis)  # room for the worst case, filled by the routed
+            if e // ep == 1:  # one local expert: the source-major buffer is its one group
+                y = self._grouped_experts(buf, ex.recv_counts.sum(axis=0), tp_axis)
+            else:
+                at = moe.expert_major(ex, buf.shape[0])
+                y = self._grouped_experts(buf[at], ex.recv_counts.sum(axis=0), tp_axis)
+                y = jnp.zeros_like(y).at[at].set(y)
+            y = moe.exchange_back(y, ex, k * n, ep_axis)
+        return jnp.zeros_like(y).at[order].set(y)  # back to choice-major
+
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
+        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac, z_loss]).
+
+        dp_axes: the axes the step's data-parallel ranks are spread over (the global
+        load-balancing loss sums its expert counts over them)."""
+        o = self.options
         b, t, d = x.shape
-        tokens = x.reshape(b * t, d)
-        e = self.router["kernel"].shape[-1]
-        cap = moe.capacity(b * t, e, self.top_k, self.capacity_factor)
-        routing = moe.route(tokens, self.router["kernel"][...], self.top_k, cap)
-        slots = moe.to_experts(moe.dispatch(tokens, routing, e, cap), ep_axis)
-        y = moe.combine(moe.from_experts(self._experts(slots, tp_axis), ep_axis), routing, b * t)
-        return y.reshape(b, t, d), jnp.stack([routing.aux_loss, routing.dropped_frac])
+        n, e = b * t, o.num_experts
+        tokens = x.reshape(n, d)
+        dtype = None if o.router_dtype is None else o.router_dtype.value
+        logits = moe.router_logits(tokens, self.router["kernel"][...], dtype)
+        probs, expert, weight = moe.choose(logits, o.top_k)
+        aux = moe.load_balancing_loss(probs, expert, o.top_k, o.aux_loss_kind, t, dp_axes)
+        z = moe.z_loss(logits) if o.z_loss_coef > 0 else jnp.zeros((), jnp.float32)
+        cap = moe.capacity(n, e, o.top_k, o.capacity_factor)
+        if cap is None:
+            y = moe.weighted_sum(self._dropless(tokens, expert, tp_axis, ep_axis), weight, n).astype(x.dtype)
+            dropped = jnp.zeros((), jnp.float32)
+        else:
+            position = moe.queue_position(expert, weight, n, e, o.drop_policy)
+            slot = moe.slots(expert, position, e, cap)
+            kept = position < cap
+            slots = moe.to_experts(moe.dispatch(tokens, slot, e, cap), ep_axis)
+            y = moe.from_experts(self._experts(slots, tp_axis), ep_axis)
+            y = moe.combine(y, slot, jnp.where(kept, weight, 0), n)
+            # A count, not a mean of floats: exactly 0 when nothing is dropped.
+            dropped = jnp.sum(~kept).astype(jnp.float32) / kept.size
+        return y.reshape(b, t, d), jnp.stack([aux, dropped, z])
+
+
+N_STATS = 3  # a block's [aux_loss, dropped_frac, z_loss]
 
 
 def is_moe_block(cfg: ModelConfig, i: int) -> bool:
@@ -178,10 +237,10 @@ class Block(nnx.Module):
         self.ln2 = norm(cfg, dtype)
         self.mlp = (MoE if is_moe else MLP)(cfg, rngs, dtype, out_std)
 
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac]) (zeros for a dense block)."""
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss]) (zeros for a dense block)."""
         x = x + self.attn(self.ln1(x), tp_axis)
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis)
+            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis, dp_axes)
             return x + y, stats
-        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((2,), jnp.float32)
+        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((N_STATS,), jnp.float32)

@@ -36,7 +36,7 @@ from jzero.config import ModelConfig, PosKind
 from jzero.mesh import EP_AXIS
 from jzero.model import TokenExchange
 from jzero.train import moe
-from jzero.train.layers import Block, is_moe_block, norm, normal
+from jzero.train.layers import N_STATS, Block, is_moe_block, norm, normal
 from jzero.zero.common import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
@@ -94,49 +94,54 @@ class GPT(nnx.Module):
         self.head = None if cfg.tie_embeddings else normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
-    def _run_blocks(self, x, tp_axis, ep_axis):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks).
+    def _run_blocks(self, x, tp_axis, ep_axis, dp_axes):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks).
 
         Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
         before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
             # remat: Megatron's full recompute, keeping only each block's input for backward
-            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis)  # noqa: E731
+            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes)  # noqa: E731
             return units.unit(block, state, x, remat=self.remat)
         if self.scan_layers:
             graphdef, states = nnx.split(self.blocks)
             x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)
             return x, stats.sum(axis=0)
-        stats = jnp.zeros((2,), jnp.float32)
+        stats = jnp.zeros((N_STATS,), jnp.float32)
         for block in self.blocks:
             x, s = layer(*nnx.split(block), x)
             stats = stats + s
         return x, stats
 
-    def __call__(self, tokens, tp_axis=None, ep_axis=None):
-        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac] summed over MoE blocks)."""
+    def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=()):
+        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE blocks)."""
         x = self.tok_emb[...][tokens]
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
-        x, stats = self._run_blocks(x, tp_axis, ep_axis)
+        x, stats = self._run_blocks(x, tp_axis, ep_axis, dp_axes)
         x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
         return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats
 
 
 class GPTModel:
-    """The functional face of `GPT`, jzero's `jzero.model.Model`: params are a plain nested dict of arrays.
+    """The functional face of `GPT`: params are a plain nested dict of arrays.
 
     init() -> params; loss(params, tokens) -> mean next-token cross-entropy (plus the MoE
-    blocks' load-balancing loss), where tokens are [B, T + 1] int32 (inputs are
+    blocks' load-balancing and z losses), where tokens are [B, T + 1] int32 (inputs are
     tokens[:, :-1], targets tokens[:, 1:]). With MoE the tokens of one call are one routing
     group: a single device reproduces a data-parallel run by calling it per rank and
     microbatch (`tests/helpers.py`).
+
+    dp_axes: the axes the loss's data-parallel ranks are spread over when it runs (the mesh's
+    `BATCH_AXES` inside the ZeRO step's shard_map; a vmap axis for a single-device reference);
+    `model.moe.aux_loss_kind: global` sums its expert counts over them. () = each call's
+    tokens are the whole batch.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0):
-        self.cfg, self.dtype, self.seed = cfg, jnp.dtype(param_dtype), seed
+    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes: tuple[str, ...] = ()):
+        self.cfg, self.dtype, self.seed, self.dp_axes = cfg, jnp.dtype(param_dtype), seed, tuple(dp_axes)
         self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(seed), self.dtype)))
 
     @property
@@ -184,15 +189,17 @@ class GPTModel:
         return jax.tree_util.tree_map_with_path(ndim, params)
 
     def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
-        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' mean
-        `aux_loss` (before its coefficient) and `dropped_frac`."""
-        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis)
+        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' means, before their
+        coefficients, of the load-balancing loss (named by its kind, `moe.AUX_METRIC`), of
+        `dropped_frac` and, with `z_loss_coef` > 0, of `z_loss`."""
+        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        n = self.n_moe_blocks
+        n, o = self.n_moe_blocks, self.cfg.moe
         if n == 0:
             return loss, {}
-        loss = loss + self.cfg.moe.aux_loss_coef * stats[0]
-        return loss, {"aux_loss": stats[0] / n, "dropped_frac": stats[1] / n}
+        loss = loss + o.aux_loss_coef * stats[0] + o.z_loss_coef * stats[2]
+        metrics = {moe.AUX_METRIC[o.aux_loss_kind]: stats[0] / n, "dropped_frac": stats[1] / n}
+        return loss, metrics | ({"z_loss": stats[2] / n} if o.z_loss_coef > 0 else {})
 
     def loss(self, params, tokens, tp_axis=None, ep_axis=None):
         return self.loss_and_metrics(params, tokens, tp_axis, ep_axis)[0]
@@ -206,15 +213,17 @@ class GPTModel:
 
     def token_exchange(self, tokens: int) -> TokenExchange | None:
         """The all-to-alls of one rank's micro-batch of `tokens` (None for a dense model): each MoE block
-        sends the tokens' expert slots [E, C, D] (`moe.dispatch`, C the capacity of `tokens`) to the
-        experts' ep ranks and gets the outputs back, 2 all-to-alls forward, their 2 transposes
-        backward, and 2 more where remat recomputes the forward."""
+        sends the tokens' expert slots [E, C, D] (`moe.dispatch`, C the capacity of `tokens`), or dropless
+        its routed copies [k N, D] by a ragged all-to-all, to the experts' ep ranks and gets the outputs
+        back, 2 all-to-alls forward, their 2 transposes backward, and 2 more where remat recomputes the
+        forward."""
         m = self.cfg.moe
         if self.n_moe_blocks == 0:
             return None
         cap = moe.capacity(tokens, m.num_experts, m.top_k, m.capacity_factor)
-        slot_bytes = m.num_experts * cap * self.cfg.d_model * self.dtype.itemsize
-        return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.cfg.remat else 4))
+        rows = m.top_k * tokens if cap is None else m.num_experts * cap  # dropless: the routed copies
+        slot_bytes = rows * self.cfg.d_model * self.dtype.itemsize
+        return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.cfg.remat else 4), dropless=cap is None)
 
     def attention_elements(self, rows: int, tp: int) -> int:
         """Elements of one [rows, H/tp, T, T] attention-score buffer (scores, probabilities, their grads)."""

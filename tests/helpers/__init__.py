@@ -41,6 +41,7 @@ from jzero.zero.config import ZeroConfig
 STEPS = 5
 PATHS = ["spec", "flat"]
 MOE = {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}  # block 1 of 2 is MoE; drops tokens
+RANKS = "ranks"  # the reference's vmap axis over one micro-batch's DP ranks (the global aux loss sums over it)
 REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
 
 
@@ -91,20 +92,25 @@ def reference_run(cfg: Config, steps: int = STEPS):
     serves every such variant of a config. A dense model's loss is a mean over tokens, the
     same whatever the split; a MoE model routes each rank's microbatch on its own (capacity,
     load-balancing loss), so the reference routes the same groups of rows: the global batch
-    in dp_domain_size x microbatches contiguous groups (`jzero.zero.common.batch`), loss averaged.
+    in dp_domain_size x microbatches contiguous groups (`jzero.zero.common.batch`), loss averaged; the
+    global load-balancing loss sums its expert counts over one micro-batch's ranks (a vmap axis).
     """
-    groups = cfg.dp_domain_size * cfg.train.microbatches if cfg.model.moe.num_experts else 1
+    groups = (cfg.dp_domain_size, cfg.train.microbatches) if cfg.model.moe.num_experts else (1, 1)
     train = dataclasses.replace(cfg.train, microbatches=1)
     return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps, groups)
 
 
-def grouped_loss(model: GPTModel, groups: int):
-    """The mean of `model.loss` over `groups` contiguous groups of the batch's rows."""
+def grouped_loss(model: GPTModel, groups: tuple[int, int]):
+    """The mean of `model.loss` over n_dp x M contiguous groups of the batch's rows (rank-major, as
+    `jzero.zero.batch` splits them), each micro-batch's n_dp groups a vmap over `RANKS`."""
+    n_dp, microbatches = groups
 
     def loss(params, batch):
-        return jnp.mean(jax.vmap(lambda rows: model.loss(params, rows))(batch.reshape(groups, -1, *batch.shape[1:])))
+        rows = batch.reshape(n_dp, microbatches, -1, *batch.shape[1:])  # [ranks, M, b, ...]
+        per_rank = jax.vmap(lambda r: model.loss(params, r), axis_name=RANKS)  # one micro-batch's ranks
+        return jnp.mean(jax.vmap(per_rank, in_axes=1)(rows))
 
-    return loss if groups > 1 else model.loss
+    return loss if n_dp * microbatches > 1 else model.loss
 
 
 def _once_per_session(key: str, compute: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
@@ -128,7 +134,7 @@ def _once_per_session(key: str, compute: Callable[[], dict[str, np.ndarray]]) ->
 
 
 @functools.cache
-def _reference_run(cfg: Config, steps: int, groups: int = 1):
+def _reference_run(cfg: Config, steps: int, groups: tuple[int, int] = (1, 1)):
     """`_compute_reference`, computed once per test session (`_once_per_session`)."""
 
     def compute():
@@ -146,8 +152,8 @@ def _reference_run(cfg: Config, steps: int, groups: int = 1):
     return init, f["losses"], f["norms"], params
 
 
-def _compute_reference(cfg: Config, steps: int, groups: int):
-    model = GPTModel(cfg.model, seed=cfg.train.seed)
+def _compute_reference(cfg: Config, steps: int, groups: tuple[int, int]):
+    model = GPTModel(cfg.model, seed=cfg.train.seed, dp_axes=(RANKS,) if groups[0] > 1 else ())
     loss_fn = grouped_loss(model, groups)
     tx = plain_optax(cfg, model)
     device = jax.devices()[0]

@@ -170,3 +170,35 @@ def test_mixtral_preset_is_46_7b_params():
     # About 12.9B active per token: the dense params and top_k of the E experts.
     assert round((total - in_experts + in_experts * 2 / 8) / 1e9, 1) == 12.9
     assert cfg.n_devices == 64 and (cfg.mesh.ep, cfg.dp_domain_size) == (8, 64)
+
+
+@pytest.mark.slow
+def test_dropless_exchange_on_cpu_moves_padded_slices(tmp_path, capsys):
+    """Dropless on 8 CPU devices, dp 2 x ep 2 x tp 2: XLA:CPU has no ragged all-to-all, so each exchange
+    is a dense all-to-all of [ep, N min(k, E/ep), D] padded slices (and the counts and offsets); the
+    tokens theory is the routed copies [k N, D] under uniform routing. The tile loops' trip counts
+    are the routing's: the step's flops count each loop once and say so."""
+    over = [*MOE, *mesh_args((2, 2, 2)), "model.moe.capacity_factor=null"]
+    s = doc_of(tmp_path, "hlo", over, "--strategies", "optim")["strategies"]["optim"]
+    tok = s["tokens"]
+    n, k, d = 32 // 4 * 16, 2, 32
+    assert tok["dropless"] and tok["slot_bytes"] == k * n * d * 4 and tok["measured"]["ragged_count"] == 0
+    slices = 2 * n * min(k, 4 // 2) * d * 4  # [ep, N min(k, E/ep), D] fp32
+    (a2a,) = [r for r in s["collectives"] if r["kind"] == "all-to-all"]
+    assert a2a["axes"] == ["ep"] and 4 * slices <= a2a["payload_bytes"] < 4 * slices + 1024  # + counts, offsets
+    assert s["schedule"]["unknown_trip_counts"] > 0
+    out = capsys.readouterr().out
+    assert "tokens (not DP), dropless: 0 ragged all-to-all(s)" in out and "counted once" in out
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_deviceless_h100_dropless_exchange_is_ragged(tmp_path):
+    """The same on 8 H100s: every exchange (2 forward, 2 backward per MoE block) is a ragged
+    all-to-all of the routed rows; only counts and offsets (s32) go by plain all-to-all."""
+    over = [*MOE, *mesh_args((2, 2, 2)), "model.moe.capacity_factor=null", "precision.param_dtype=bfloat16"]
+    doc = doc_of(tmp_path, "hlo", over, "--strategies", "optim_grads", "--target", "h100", "--topology", "1 x 1 x 8")
+    s = doc["strategies"]["optim_grads"]
+    tok = s["tokens"]
+    assert tok["dropless"] and tok["measured"]["ragged_count"] == tok["per_step"] == 4
+    assert {dt for r in s["collectives"] if r["kind"] == "all-to-all" for dt in r["dtypes"]} == {"s32"}

@@ -11,8 +11,17 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from helpers import MOE, assert_matches_reference, init_state, matrix, reference_run, tiny_config
-from jzero.config import ConfigError
+from helpers import (
+    MOE,
+    assert_matches_reference,
+    init_state,
+    matrix,
+    reference_run,
+    rel_param_errors,
+    run_steps,
+    tiny_config,
+)
+from jzero.config import ConfigError, DropPolicy
 from jzero.inspect.compile import abstract_state
 from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
 from jzero.train import moe
@@ -30,28 +39,33 @@ def moe_config(strategy="optim_grads", mesh=(2, 2, 2), microbatches=1, path="spe
 # ---------------------------------------------------------------- routing
 
 
-def test_capacity_keeps_first_choices_first_then_token_order():
-    # 6 tokens, 3 experts, top-2; every token prefers expert 0, then expert 1.
-    router = jnp.array([[3.0, 2.0, 0.0]])  # [D=1, E=3]
+def test_gshard_rule_keeps_first_choices_first_then_token_order():
+    """`choice_then_position`, jzero's rule before issue 27: 6 tokens, 3 experts, top-2; every token
+    prefers expert 0, then expert 1; each expert keeps 4 (tests/test_moe_router.py: Megatron's)."""
     x = jnp.ones((6, 1))
-    cap = moe.capacity(6, 3, 2, 1.0)  # ceil(2 * 6 / 3) = 4
-    r = moe.route(x, router, top_k=2, cap=cap)
-    slot = np.asarray(r.slot).reshape(2, 6)  # [choice, token]
+    _, expert, weight = moe.choose(moe.router_logits(x, jnp.array([[3.0, 2.0, 0.0]])), 2)  # router [D=1, E=3]
+    cap = moe.capacity(6, 3, 2, 1.0)  # ceil((6 * 2 / 3) * 1.0) = 4
+    position = moe.queue_position(expert, weight, 6, 3, DropPolicy.CHOICE_THEN_POSITION)
+    slot = np.asarray(moe.slots(expert, position, 3, cap)).reshape(2, 6)  # [choice, token]
     np.testing.assert_array_equal(slot[0], [0, 1, 2, 3, 12, 12])  # expert 0 takes tokens 0..3; 12 = dropped
     np.testing.assert_array_equal(slot[1], [4, 5, 6, 7, 12, 12])  # expert 1 likewise
-    assert float(r.dropped_frac) == pytest.approx(4 / 12)
-    assert np.all(np.asarray(r.weight).reshape(2, 6)[:, 4:] == 0)
-    assert moe.capacity(6, 3, 2, None) == 6  # dropless: an expert may take every token
+    assert moe.capacity(6, 3, 2, None) is None  # dropless: no slots at all
 
 
 def test_dispatch_then_combine_weights_each_token_by_its_kept_choices():
-    key = jax.random.key(0)
-    x = jax.random.normal(key, (10, 8))
-    router = jax.random.normal(jax.random.key(1), (8, 4))
-    r = moe.route(x, router, top_k=2, cap=moe.capacity(10, 4, 2, 1.0))
-    y = moe.combine(moe.dispatch(x, r, 4, moe.capacity(10, 4, 2, 1.0)), r, 10)  # identity experts
-    kept = np.asarray(r.weight).reshape(2, 10).sum(0)
-    np.testing.assert_allclose(y, np.asarray(x) * kept[:, None], rtol=1e-6)
+    x = jax.random.normal(jax.random.key(0), (10, 8))
+    cap = moe.capacity(10, 4, 2, 1.0)
+
+    @jax.jit
+    def route(x, router):
+        _, expert, weight = moe.choose(moe.router_logits(x, router), 2)
+        position = moe.queue_position(expert, weight, 10, 4, DropPolicy.PROBS)
+        slot, kept = moe.slots(expert, position, 4, cap), jnp.where(position < cap, weight, 0.0)
+        return position, kept, moe.combine(moe.dispatch(x, slot, 4, cap), slot, kept, 10)  # identity experts
+
+    position, kept, y = route(x, jax.random.normal(jax.random.key(1), (8, 4)))
+    assert 0 < int(jnp.sum(position >= cap)) < 20  # some dropped
+    np.testing.assert_allclose(y, np.asarray(x) * np.asarray(kept).reshape(2, 10).sum(0)[:, None], rtol=1e-6)
 
 
 def test_all_to_all_sends_each_expert_its_slots_from_every_rank_and_back():
@@ -88,9 +102,88 @@ def test_moe_matches_single_device_optax(strategy, mesh, microbatches, path):
 
 
 @pytest.mark.slow
-def test_dropless_routing_drops_nothing_and_matches():
-    metrics = assert_matches_reference(moe_config("optim_grads", (4, 2, 1), 1, capacity_factor=None))
+@pytest.mark.parametrize(
+    "strategy, mesh, microbatches, path, kind",
+    [
+        ("optim_grads", (2, 2, 2), 2, "spec", "sequence"),
+        ("optim", (4, 2, 1), 2, "flat", "sequence"),
+        ("optim_grads", (4, 2, 1), 1, "spec", "global"),
+        ("no_shard", (2, 2, 2), 2, "flat", "global"),
+        ("optim_grads", (2, 2, 2), 2, "spec", "global"),
+    ],
+    ids=lambda v: "dp{}-ep{}-tp{}".format(*v) if isinstance(v, tuple) else str(v),
+)
+def test_aux_loss_kinds_and_z_loss_match_single_device(strategy, mesh, microbatches, path, kind):
+    """Each load-balancing kind and the z-loss on both paths: the same numbers as the reference, whose
+    global loss sums counts over one micro-batch's ranks (a vmap axis) as the step does over
+    BATCH_AXES. The metrics name the kind and report the z-loss (logsumexp^2 > 0)."""
+    cfg = moe_config(strategy, mesh, microbatches, path, aux_loss_kind=kind, z_loss_coef=0.01)
+    name = {"sequence": "seq_aux_loss", "global": "global_aux_loss"}[kind]
+    for m in assert_matches_reference(cfg):
+        assert m[name] >= 1.0 - 1e-6 and "aux_loss" not in m
+        assert m["z_loss"] > 0 and 0.0 < m["dropped_frac"] < 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, mesh, microbatches, path, model",
+    [
+        ("optim_grads", (4, 2, 1), 1, "spec", {}),
+        ("optim", (2, 2, 2), 2, "flat", {}),
+        ("optim_grads", (2, 2, 2), 1, "flat", {"aux_loss_kind": "global"}),
+        ("optim_grads_params", (2, 2, 2), 2, "spec", {"every": 1, "scan": True}),  # ZeRO-3, remat, scan
+    ],
+    ids=["zero2-dp4-ep2-spec", "zero1-dp2-ep2-tp2-flat", "zero2-dp2-ep2-tp2-flat-global", "zero3-scan-remat-spec"],
+)
+def test_dropless_drops_nothing_and_matches(strategy, mesh, microbatches, path, model):
+    """Dropless: sorted copies, the ragged exchange over ep (its CPU form) and grouped matmuls over the
+    routed rows train to the reference's numbers, and report exactly 0 dropped."""
+    model = dict(model)
+    extra = {"scan_layers": True, "remat": True} if model.pop("scan", False) else {}
+    moe_keys = MOE | {"capacity_factor": None} | model
+    cfg = tiny_config(strategy, mesh, microbatches, zero={"path": path}, model={"moe": moe_keys, **extra})
+    metrics = assert_matches_reference(cfg)
     assert all(m["dropped_frac"] == 0.0 for m in metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["spec", "flat"])
+def test_dropless_trains_like_capacity_n(path):
+    """Dropless routes exactly as a capacity of N (factor E / top_k: every expert has room for every
+    token), so both train to the same numbers; only the expert computation differs (routed rows in
+    grouped matmuls vs [E, ep * N] slots)."""
+    runs = []
+    for factor in (None, MOE["num_experts"] / MOE["top_k"]):
+        record = []
+        cfg = moe_config("optim_grads", (4, 2, 1), 1, path, capacity_factor=factor)
+        _, _, losses, norms, state = run_steps(cfg, record=record)
+        runs.append((losses, norms, state.params, record))
+    (l1, n1, p1, r1), (l2, n2, p2, r2) = runs
+    assert moe.capacity(16 * 16 // 8, 4, 2, 2.0) == 16 * 16 // 8  # the capacity run's C is N
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    np.testing.assert_allclose(n1, n2, rtol=1e-5)
+    errors = rel_param_errors(p1, jax.device_get(p2))
+    assert max(errors.values()) < 1e-5, max(errors.items(), key=lambda kv: kv[1])
+    assert all(a["dropped_frac"] == b["dropped_frac"] == 0.0 for a, b in zip(r1, r2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_global_aux_loss_is_the_whole_batch_loss(capacity_factor):
+    """With `global`, the distributed load-balancing loss (one micro-batch) is the single-device loss of
+    the whole batch routed as one group; dropless, so is the whole loss (nothing depends on the split)."""
+    from jzero.train.model import GPTModel
+
+    cfg = moe_config("optim_grads", (2, 2, 2), 1, "spec", aux_loss_kind="global", capacity_factor=capacity_factor)
+    run = setup(cfg)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda p: rng.normal(0, 0.1, p.shape).astype(p.dtype), run.model.abstract_params())
+    got = run.zero.evaluate(jax.device_put(params, run.zero.shardings.params), run.device_batch(0))
+    whole = GPTModel(cfg.model, seed=cfg.train.seed)  # no dp_axes: its call's tokens are the batch
+    loss, want = jax.jit(whole.loss_and_metrics)(params, run.dataset.batch(0))
+    np.testing.assert_allclose(float(got["global_aux_loss"]), float(want["global_aux_loss"]), rtol=1e-5)
+    if capacity_factor is None:
+        np.testing.assert_allclose(float(got["loss"]), float(loss), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- sharding
@@ -131,6 +224,25 @@ def test_bad_moe_configs_are_one_clear_error():
         tiny_config("optim", (2, 2, 2), model={"moe": MOE, "scan_layers": True})
     with pytest.raises(ConfigError, match=r"model.moe.capacity_factor=0.0 must be positive"):
         tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"capacity_factor": 0.0}})
+    with pytest.raises(ConfigError, match=r"model.moe.z_loss_coef=-0.1 must be >= 0"):
+        tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"z_loss_coef": -0.1}})
+    with pytest.raises(ConfigError, match=r"model.moe.drop_policy='tokens' is not one of: probs, position, choice_"):
+        tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"drop_policy": "tokens"}})
+    with pytest.raises(ConfigError, match=r"model.moe.aux_loss_kind='batch' is not one of: micro_batch, sequence, glo"):
+        tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"aux_loss_kind": "batch"}})
+
+
+def test_a_config_saved_before_the_router_options_loads_with_their_defaults():
+    """A checkpoint's config (meta/config, `to_dict`) written before drop_policy, aux_loss_kind,
+    z_loss_coef and router_dtype existed still loads: the missing keys take their defaults."""
+    from jzero.config import Config, from_dict, to_dict
+
+    cfg = moe_config()
+    old = to_dict(cfg)
+    for key in ("drop_policy", "aux_loss_kind", "z_loss_coef", "router_dtype"):
+        del old["model"]["moe"][key]
+    assert from_dict(old) == cfg
+    assert from_dict(to_dict(Config())).model.moe == Config().model.moe
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -41,7 +41,7 @@ def strategy_comms(c: CompiledStep) -> StrategyComms:
     static, per_step = measure.traffic(rows, spans, per_step=False), measure.traffic(rows, spans, per_step=True)
     tokens = theory.tokens_theory(c)
     if tokens is not None:
-        tokens = dataclasses.replace(tokens, measured=measure.tokens_measured(rows))
+        tokens = dataclasses.replace(tokens, measured=measure.tokens_measured(rows, program.ragged_all_to_all))
     return StrategyComms(
         compile_s=round(c.compile_s, 3),
         collectives=rows,

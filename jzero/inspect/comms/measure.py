@@ -34,13 +34,15 @@ class Program:
     collectives: list[hlo.Collective]
     schedule: overlap.Schedule
     runs: dict[str, int]
+    ragged_all_to_all: int  # dropless MoE on a GPU (hlo.parse_collectives has no such kind)
 
 
 def read_program(c) -> Program:
     text = c.compiled.as_text()
     collectives = hlo.parse_collectives(text)
     sch = overlap.read_schedule(text, collectives)
-    return Program(collectives, sch, {o.collective.name: o.runs for o in sch.overlaps})
+    ragged = text.count("ragged-all-to-all-start(") + text.count("ragged-all-to-all(")
+    return Program(collectives, sch, {o.collective.name: o.runs for o in sch.overlaps}, ragged)
 
 
 def rows(collectives: list[hlo.Collective], runs: dict[str, int], mesh) -> list[CollectiveRow]:
@@ -104,11 +106,12 @@ def traffic(rows: list[CollectiveRow], spans: dict[str, set] | None, per_step: b
     return Traffic(dp, by_kind, _by_domain(rows, spans, key), a2a, other)
 
 
-def tokens_measured(rows: list[CollectiveRow]) -> TokensMeasured:
-    """The all-to-alls the program runs (the theory's: `theory.tokens_theory`)."""
+def tokens_measured(rows: list[CollectiveRow], ragged: int) -> TokensMeasured:
+    """The all-to-alls the program runs (the theory's: `theory.tokens_theory`), and its `ragged` ones
+    (dropless on a GPU; XLA:CPU has none and sends padded slices by a dense all-to-all)."""
     a2a = [r for r in rows if r.kind == "all-to-all"]
     return TokensMeasured(sum(r.count for r in a2a), sum(r.wire_bytes for r in a2a),
-                          sum(r.wire_bytes_per_step for r in a2a))  # fmt: skip
+                          sum(r.wire_bytes_per_step for r in a2a), ragged)  # fmt: skip
 
 
 def param_gather(c, collectives: list[hlo.Collective], runs: dict[str, int]) -> ParamGather | None:

@@ -115,6 +115,7 @@ class TokensMeasured(Record):
     count: int  # all-to-all instructions
     wire_bytes: float  # per instruction, summed
     per_step_wire_bytes: float  # x their runs per step
+    ragged_count: int = 0  # dropless on a GPU: ragged all-to-alls, whose bytes the routing decides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ class Tokens(Record):
     per_step: int  # all-to-alls per step
     per_step_wire_bytes: float
     measured: TokensMeasured | None = None
+    dropless: bool = False  # a ragged exchange of the routed copies (`slot_bytes` under uniform routing)
 
 
 # --------------------------------------------------------------------------- measurement

@@ -108,7 +108,15 @@ def _strategy(r: HloReport, name: str, s: StrategyComms) -> list[str]:
             f"bfloat16 {human(pg.bf16_wire_bytes)} ({pg.saving_vs_bf16:.2f}x the bytes){vs}"
         )
     tok = s.tokens
-    if tok is not None:
+    if tok is not None and tok.dropless:
+        m = tok.measured
+        lines.append(
+            f"  tokens (not DP), dropless: {m.ragged_count} ragged all-to-all(s) over ep of the routed copies, "
+            f"(ep-1)/ep*[k N, D] = {human(tok.wire_bytes)} each under uniform routing, {tok.per_step} per "
+            f"step; all-to-all {human(m.wire_bytes)} in {m.count} instruction(s) (counts and offsets; "
+            "on XLA:CPU the padded slices)"
+        )
+    elif tok is not None:
         m = tok.measured
         lines.append(
             f"  tokens (not DP): all-to-all over ep {human(m.wire_bytes)} in {m.count} instruction(s); "

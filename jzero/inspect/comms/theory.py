@@ -212,4 +212,4 @@ def tokens_theory(c) -> Tokens | None:
         return None
     per_step = exchange.per_microbatch * cfg.train.microbatches
     one = hlo.ring_wire_bytes("all-to-all", exchange.slot_bytes, ep)
-    return Tokens(ep, exchange.slot_bytes, one, per_step, per_step * one)
+    return Tokens(ep, exchange.slot_bytes, one, per_step, per_step * one, dropless=exchange.dropless)
