@@ -16,7 +16,7 @@ SPECS = {"emb": P(), "fc1": P(None, "tp"), "fc2": P("tp", None), "bias": P(), "h
 
 
 class ToyModel:
-    def __init__(self, cfg, param_dtype=jnp.float32, seed: int = 0, dp_axes=()):  # dp_axes: unused (no global statistics)
+    def __init__(self, cfg, param_dtype=jnp.float32, seed: int = 0, dp_axes=()):  # no global statistics: dp_axes unused
         self.vocab, self.d, self.f = cfg.vocab_size, cfg.d_model, cfg.d_ff  # the GPT's other keys: ignored
         self.dtype, self.seed = jnp.dtype(param_dtype), seed
 
