@@ -300,7 +300,7 @@ def test_bad_checkpoints_are_one_line(tmp_path):
     refused(lambda: megatron.load(legacy, zero, wrong, bucket_size=1000), "fc3.weight", "no counterpart")
     swapped = {**NAMES, "fc1": {**NAMES["fc1"], "weight": "fc2.weight"}}
     swapped["fc2"] = {**NAMES["fc2"], "weight": "fc1.weight"}
-    refused(lambda: megatron.load(legacy, zero, swapped, bucket_size=1000), "give shape (11, 37)", "(37, 53)")
+    refused(lambda: megatron.load(legacy, zero, swapped, bucket_size=1000), "fc2.weight (11, 37) do not give")
 
     # tensor-parallel shards, a fully_reshardable optimizer state
     import shutil

@@ -362,11 +362,29 @@ def _checkpoint(directory, fmt, iteration, model, order, cut, groups, scheduler,
 _OPT_PREFIX = "optimizer.distributed.dp_group_idx_0."
 
 
-def _stacked(key: str, names: Sequence[str]) -> tuple[str, str] | None:
-    """(before, after) if `key` is a layer-stacked tensor `<before>layers.<after>` whose per-layer
-    names `<before>layers.<i>.<after>` are among `names`."""
+# Megatron's local layer spec saves its norms under Transformer Engine's names in torch_dist (its
+# `sharded_state_dict_keys_map`), so that local and TE checkpoints interchange: (TE's, the local name).
+_DIST_KEY_MAPS = (
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+)
+
+
+def _local_name(key: str, names: Sequence[str] | None) -> str | None:
+    """The name among `names` that the torch_dist key `key` is saved under, if any."""
+    if names is None or key in names:
+        return key if names is None or key in names else None
+    for te, local in _DIST_KEY_MAPS:
+        if te in key and key.replace(te, local) in names:
+            return key.replace(te, local)
+    return None
+
+
+def _stacked(key: str, names: Sequence[str] | None) -> tuple[str, str] | None:
+    """(before, after) if `key` is a layer-stacked tensor `<before>layers.<after>` whose per-layer names
+    `<before>layers.<i>.<after>` are (mapped, `_local_name`) among `names`."""
     m = re.fullmatch(r"(.*\blayers\.)(.*)", key)
-    if m and f"{m[1]}0.{m[2]}" in names:
+    if names is not None and m and _local_name(f"{m[1]}0.{m[2]}", names) is not None:
         return m[1], m[2]
     return None
 
@@ -404,21 +422,25 @@ def _read_torch_dist(directory: Path, names: Sequence[str] | None) -> MegatronCh
     groups = _param_groups(groups[0] if isinstance(groups, list) and len(groups) == 1 else groups, what)
 
     model_keys = [k for k in td.keys if not k.startswith("optimizer.") and td.is_tensor(k)]
-    layers = sorted({k for k in model_keys if names is not None and _stacked(k, names)}, key=model_keys.index)
+    layers = [k for k in model_keys if _stacked(k, names)]
     model: dict[str, np.ndarray] = {}
     stacks = {k: td.tensor(k) for k in layers}
     n_layers = {len(x) for x in stacks.values()}
     if len(n_layers) > 1:
         raise InteropError(f"{what}: layer-stacked tensors of different layer counts {sorted(n_layers)}")
+
+    def add(key: str, value: np.ndarray) -> None:
+        model[_local_name(key, names) or key] = value
+
     for k in model_keys:  # Megatron's registration order: what precedes the layers, layer by layer, the rest
         if k in stacks:
             if k == layers[0]:
                 for i in range(next(iter(n_layers))):
                     for s in layers:
                         before, after = _stacked(s, names)
-                        model[f"{before}{i}.{after}"] = stacks[s][i]
+                        add(f"{before}{i}.{after}", stacks[s][i])
             continue
-        model[k] = td.tensor(k)
+        add(k, td.tensor(k))
     order, shapes = _model_order(model, what)
     numels = [math.prod(shapes[k]) for k in order]
     dtype_name = f"dtype_({dtype_key[0]!r}, {dtype_key[1]!r})" if isinstance(dtype_key, tuple) else str(dtype_key)
@@ -458,9 +480,14 @@ def _from_megatron(r: Renamed, arrays: dict[str, np.ndarray], shape, what: str) 
     missing = [n for n in r.names if n not in arrays]
     if missing:
         raise InteropError(f"{what} has no param {missing[0]}")
-    x = np.asarray(r.from_megatron(tuple(arrays[n] for n in r.names)))
-    if x.shape != tuple(shape):
-        raise InteropError(f"{what}: Megatron's {', '.join(r.names)} give shape {x.shape}, the model's param {shape}")
+    got = tuple(arrays[n] for n in r.names)
+    try:
+        x = np.asarray(r.from_megatron(got))
+    except (ValueError, TypeError, IndexError):  # a reshape or transpose of arrays of other shapes
+        x = None
+    if x is None or x.shape != tuple(shape):
+        shapes = ", ".join(f"{n} {tuple(a.shape)}" for n, a in zip(r.names, got))
+        raise InteropError(f"{what}: Megatron's {shapes} do not give the model's param of shape {tuple(shape)}")
     return x
 
 
