@@ -19,6 +19,7 @@ from jzero.zero import ParamGroup, Zero, build_zero, groups
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron"
 VARIANTS = {"single_bucket": None, "bucket1000": 1000}  # Megatron's bucket_size
+BF16 = "bf16_bucket1000"  # bf16 params, fp32 main params: its checkpoints only (tests/data/megatron/README.md)
 FORMATS = {"legacy": "ckpt_legacy", "torch_dist": "ckpt_torch_dist_dp_reshardable"}
 ORDER = ("fc1.weight", "fc1.bias", "scale.weight", "fc2.weight", "fc2.bias", "fc3.weight")  # registration
 # A dict whose leaves (sorted keys: fc1.bias first) are not in Megatron's registration order.
@@ -93,13 +94,15 @@ def loss_fn(p, batch):
     return jnp.mean(jnp.square(h @ p["fc3"]["weight"].T - batch["t"]))
 
 
-def build(variant: str, strategy: str = "optim", path: str = "flat", dp: int = 4, registration_order=False) -> Zero:
+def build(
+    variant: str, strategy: str = "optim", path: str = "flat", dp: int = 4, registration_order=False, dtype=jnp.float32
+) -> Zero:
     """The fixtures' run in jzero: AdamW with Megatron's param groups and clipping, on `dp` devices.
 
     Params shaped like NAMES (jzero's leaves order is not Megatron's), or with `registration_order` a
     list in Megatron's order: jzero's flat buffer is then laid out exactly as Megatron's."""
     params = [inputs()[f"init/{n}"] for n in ORDER] if registration_order else init_params()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
     mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
     tx = groups.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY)
     config = ZeroConfig(ShardingStrategy(strategy), ZeroPath(path), bucket_size=VARIANTS[variant])

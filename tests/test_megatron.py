@@ -1,6 +1,7 @@
 """jzero against real Megatron-Core 0.16.1 (tests/data/megatron): its flat layout, its first 10 steps,
 its step-10 checkpoints read bit for bit in both formats, the 5 steps it trained after them continued
-in jzero on both paths, ZeRO-1 and ZeRO-2, dp 4 and other dp sizes, and jzero's export read back.
+in jzero on both paths, ZeRO-1 and ZeRO-2, dp 4 and other dp sizes (and DDP and ZeRO-3), and jzero's
+export read back.
 
 Tolerances. jzero and Megatron compute the same float32 arithmetic in different orders, so they agree
 to float rounding, not bitwise: the grads (XLA's dot products and reductions against torch's CPU
@@ -9,7 +10,7 @@ kernels) differ by up to 4.2e-7 of each tensor's largest grad (measured on these
 `test_adamw_rounding_against_torch_order` bounds it by 1 ulp of the tensor's largest param per step).
 Measured against Megatron, relative to each tensor's largest value: after steps 1..10 the params
 within 4.5e-7, the owned exp_avg within 4.6e-7 and exp_avg_sq within 5.9e-7, the losses within
-2.2e-7 and the grad norms within 2.5e-7 (relative); continuing steps 11..15 in all 48
+2.2e-7 and the grad norms within 2.5e-7 (relative); continuing steps 11..15 in the 48 ZeRO-1/2
 configurations of `ALL`, params 2.5e-7, losses 2.9e-7, grad norms 1.7e-7. Megatron itself differs
 from a plain torch restatement of the problem by 1.2e-7, 1e-7 and 7e-8. The bound below, 1e-6 of
 each compared quantity's magnitude, is the fixtures' own guidance for a float32 reimplementation,
@@ -153,6 +154,7 @@ FAST = [  # every variant and format, both paths, both stages, dp 4 and another 
     ("bucket1000", "torch_dist", "flat", "optim_grads", 4),
     ("bucket1000", "legacy", "flat", "optim_grads", 8),
     ("single_bucket", "torch_dist", "flat", "optim", 2),
+    ("bucket1000", "torch_dist", "spec", "optim_grads_params", 8),  # ZeRO-3 takes it too
 ]
 ALL = [
     (v, f, p, s, dp)
@@ -161,7 +163,7 @@ ALL = [
     for p in ("flat", "spec")
     for s in ("optim", "optim_grads")
     for dp in (4, 2, 8)
-]
+] + [(v, f, "spec", s, 4) for v in VARIANTS for f in FORMATS for s in ("no_shard", "optim_grads_params")]
 
 
 def _continue(variant, fmt, path, strategy, dp):
@@ -329,3 +331,37 @@ def test_bad_checkpoints_are_one_line(tmp_path):
     sgd = build_zero(loss_fn, optax.sgd(0.1, momentum=0.9), make_mesh(MeshConfig(dp=8)), abstract,
                      jax.tree.map(lambda _: jax.sharding.PartitionSpec(), abstract), ZeroConfig())  # fmt: skip
     refused(lambda: megatron.load(legacy, sgd, NAMES, bucket_size=1000), "trace", "Adam")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_run_moves_exactly(fmt, tmp_path):
+    """Megatron's bf16 run (bf16 params, fp32 main params and grads, buffer key (bf16, fp32)) into jzero's
+    bf16 params on flat ZeRO-2: the bf16 weights and the fp32 main params both as Megatron had them; and
+    out again, Megatron's own legacy files bit for bit."""
+    import jax.numpy as jnp
+
+    from jzero.interop import torch_format
+    from megatron_fixtures import BF16, DATA
+
+    with np.load(DATA / BF16 / "final_params.npz") as f:  # bf16 weights, widened to fp32 (exact)
+        weights = {k: f[k] for k in f.files}
+    with np.load(DATA / BF16 / "final_main_params.npz") as f:
+        main = {k: f[k] for k in f.files}
+    zero = build("bucket1000", "optim_grads", "flat", 8, dtype=jnp.bfloat16)
+    state = megatron.load(DATA / BF16 / FORMATS[fmt], zero, NAMES, bucket_size=1000)
+    for name, x in by_name(jax.device_get(state.params)).items():
+        assert x.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(x.astype(np.float32), weights[name])
+    model_opt = jax.device_get(zero.to_model_space(state.opt_state))
+    for name, x in by_name(model_opt.main_params).items():
+        np.testing.assert_array_equal(x, main[name])
+    folder = megatron.save(tmp_path, state, zero, NAMES, hyperparams=HYPERPARAMS, bucket_size=1000, order=ORDER)
+    theirs = DATA / BF16 / "ckpt_legacy" / "iter_0000010" / "mp_rank_00"
+    ours_model = torch_format.load(folder / "mp_rank_00" / megatron.MODEL_FILE)["model"]
+    for name, x in torch_format.load(theirs / megatron.MODEL_FILE)["model"].items():
+        assert ours_model[name].dtype == x.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(ours_model[name], x)
+    ours, theirs = (torch_format.load(d / megatron.OPTIM_FILE)[0] for d in (folder / "mp_rank_00", theirs))
+    assert list(ours) == list(theirs) == [(torch_format.TorchDType("bfloat16"), torch_format.TorchDType("float32"))]
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(next(iter(ours.values()))[key], next(iter(theirs.values()))[key])
