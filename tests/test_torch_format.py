@@ -183,3 +183,27 @@ def test_dcp_metadata_with_a_foreign_global_is_refused(tmp_path):
     (dst / ".metadata").write_bytes(b"\x80\x02")
     with pytest.raises(InteropError, match="damaged"):
         TorchDist(dst)
+
+
+def test_megatron_lm_model_file_with_args_and_rng_state(tmp_path):
+    """What Megatron-LM's model_optim_rng.pt holds beside the weights (its args, RNG states, rerun state:
+    tests/data/megatron/bucket1000_args/make.py wrote it with torch) loads, inert; and the args give the
+    bucket size the legacy files do not record."""
+    import shutil
+
+    from jzero.interop import megatron
+
+    sd = torch_format.load(DATA / "bucket1000_args" / "model_optim_rng.pt")
+    args = sd["args"]
+    assert args.ddp_bucket_size == 1000 and args.overlap_grad_reduce is True and args.save == "/ckpts/run"
+    assert args.params_dtype == torch_format.TorchDType("float32")
+    assert args.attention_backend.global_name == "megatron.core.transformer.enums.AttnBackend"
+    assert isinstance(sd["rng_state"][0]["torch_rng_state"], np.ndarray)  # a uint8 storage
+    folder = tmp_path / "iter_0000010" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    shutil.copy(DATA / "bucket1000_args" / "model_optim_rng.pt", folder)
+    shutil.copy(DATA / "bucket1000" / LEGACY / "distrib_optim.pt", folder)
+    ck = megatron.read(tmp_path / "iter_0000010")
+    assert ck.bucket_numels == (1111, 2089) and "the run's args (--ddp-bucket-size)" in ck.notes[0]
+    for name, x in final_params("bucket1000").items():
+        np.testing.assert_array_equal(ck.main[name], x)

@@ -30,7 +30,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import ml_dtypes
@@ -193,6 +193,13 @@ def _rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
     return data
 
 
+def _bytes_from_latin1(text, encoding="latin1"):
+    """`_codecs.encode`, as pickle protocol 2 stores a bytes object: str.encode of a str, nothing else."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise InteropError(f"_codecs.encode of a {type(text).__name__} in {encoding!r}: not a pickled bytes object")
+    return text.encode(encoding)
+
+
 def _rebuild_from_type(what: str, builders: tuple, tensor_class: type) -> Callable:
     """torch._tensor._rebuild_from_type_v2: a tensor or Parameter rebuilt by one of `builders`."""
 
@@ -219,11 +226,12 @@ def _base_globals(what: str) -> dict[tuple[str, str], Any]:
         ("torch", "Size"): lambda dims=(): tuple(dims),
         ("torch", "device"): lambda *args: "device:" + ":".join(map(str, args)),
         ("collections", "OrderedDict"): OrderedDict,
+        ("_codecs", "encode"): _bytes_from_latin1,
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
         ("argparse", "Namespace"): Namespace,
         ("types", "SimpleNamespace"): Namespace,
-        ("pathlib", "PosixPath"): lambda *parts: "/".join(map(str, parts)),
+        ("pathlib", "PosixPath"): lambda *parts: str(PurePosixPath(*map(str, parts))),
     }
     allowed |= {("torch", name): TorchDType(name) for name in DTYPES}
     allowed |= {("torch", name): _StorageType(dtype) for name, dtype in STORAGES.items()}
