@@ -253,12 +253,12 @@ def test_adamw_rounding_against_torch_order():
 
     from jzero.zero import groups
     from jzero.zero.update import clip_by_global_norm
-    from megatron_fixtures import B1, B2, CLIP, EPS, LR, WEIGHT_DECAY, batch, tree
+    from megatron_fixtures import B1, B2, CLIP, EPS, LR, WEIGHT_DECAY, inputs, loss_fn, tree
 
     ck = megatron.read(checkpoint("single_bucket", "legacy"))
-    zero = build("single_bucket", "optim", "spec", 4)
     p, m, v = (jax.device_get(tree(x)) for x in (ck.main, ck.exp_avg, ck.exp_avg_sq))
-    grads, _ = clip_by_global_norm(zero.grads(jax.device_put(p, zero.shardings.params), batch(zero, 11)), CLIP)
+    x = inputs()  # step 11's global batch; its grads (of the global mean, as Megatron's), clipped as Megatron clips
+    grads, _ = clip_by_global_norm(jax.grad(loss_fn)(p, {"x": x["x"][10], "t": x["t"][10]}), CLIP)
     g = jax.device_get(grads)
     wd_mult = jax.tree.map(lambda x: float(x.ndim >= 2), p)
     tx = optax.with_extra_args_support(groups.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY))

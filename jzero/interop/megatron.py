@@ -461,14 +461,13 @@ def _read_torch_dist(directory: Path, names: Sequence[str] | None) -> MegatronCh
 
 
 def _leaves(names: PyTree, zero: Zero) -> list[Renamed]:
-    leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, Renamed))
-    structure = jax.tree.structure(names, is_leaf=lambda x: isinstance(x, Renamed))
-    if structure.num_leaves != jax.tree.structure(zero.plan.tensors).num_leaves:
-        raise InteropError(
-            f"names has {structure.num_leaves} leaves, the model {jax.tree.structure(zero.plan.tensors).num_leaves} "
-            "params: give one Megatron name per param"
-        )
-    return [renamed(leaf) for leaf in leaves]
+    """`names` as one Renamed per param (leaves order); it must be shaped like the params."""
+    is_leaf = lambda x: isinstance(x, Renamed)  # noqa: E731 (a NamedTuple: a pytree node otherwise)
+    want = jax.tree.structure(zero.plan.tensors)
+    got = jax.tree.structure(names, is_leaf=is_leaf)
+    if got != want:
+        raise InteropError(f"names is not shaped like the params: {got.num_leaves} leaves {got}, params {want}"[:300])
+    return [renamed(leaf) for leaf in jax.tree.leaves(names, is_leaf=is_leaf)]
 
 
 def _moment(path) -> str | None:
