@@ -182,7 +182,8 @@ def layout_bucket_numels(numels: Sequence[int], bucket_size: int | None) -> tupl
 
 
 def _cut(flat: dict[str, np.ndarray], order: list[str], shapes: dict, positions, bucket_numels) -> dict:
-    """Per-bucket vectors (or one coalesced vector under key None) -> per-param arrays."""
+    """Per key (param, exp_avg, exp_avg_sq), the state's vectors -> per-param fp32 arrays by name. A key's
+    vectors are one per bucket (torch_dist) or one for all buckets, concatenated (legacy)."""
     out: dict[str, dict[str, np.ndarray]] = {k: {} for k in flat}
     offsets = np.cumsum([0, *bucket_numels])
     for name, (b, start) in zip(order, positions):

@@ -307,7 +307,9 @@ def load(source: str | os.PathLike | bytes, what: str | None = None, extra_globa
         archive = zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source)
     except FileNotFoundError:
         raise InteropError(f"{what} does not exist") from None
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
+    except OSError as e:
+        raise InteropError(f"{what} is unreadable: {e.strerror or e}") from None
+    except (zipfile.BadZipFile, ValueError) as e:
         raise InteropError(
             f"{what} is not a PyTorch file that jzero reads (torch.save's zip format, torch >= 1.6): {one_line(e)}"
         ) from None
