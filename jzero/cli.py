@@ -1,4 +1,4 @@
-"""`jzero` command line: train, layout, hlo, memory, ckpt, data.
+"""`jzero` command line: train, layout, hlo, memory, ckpt (info, import-/export-megatron), data.
 
 JAX is imported only after the config is read, so `train.host_devices` can set the
 number of simulated CPU devices before the backend starts.
@@ -164,12 +164,15 @@ def _parser() -> argparse.ArgumentParser:
 
     add_launch(sub, t)
 
-    ck = sub.add_parser("ckpt", help="inspect checkpoints")
+    ck = sub.add_parser("ckpt", help="inspect checkpoints; move them to and from Megatron")
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
     info = ck_sub.add_parser("info", help="steps, the writer's strategy/mesh/dtypes, per-array shapes")
     info.add_argument("dir")
     info.add_argument("--verify", action="store_true", help="read every array and check it against its fingerprint")
     info.set_defaults(fn=_cmd_ckpt_info)
+    from jzero.interop.commands import add_parsers as add_megatron  # import-/export-megatron (imports no JAX)
+
+    add_megatron(ck_sub, with_config)
 
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -119,7 +119,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         if self.swiglu:
-            gate, up = _add_bias(jnp.einsum("btd,dsf->sbtf", x, self.fc1["kernel"][...]), self.fc1)
+            gate, up = jnp.einsum("btd,dsf->sbtf", x, self.fc1["kernel"][...])
+            if "bias" in self.fc1:  # [2, F_tp]: one bias for the gate, one for up
+                gate, up = gate + self.fc1["bias"][0], up + self.fc1["bias"][1]
             h = jax.nn.silu(gate) * up  # [B, T, F_tp]
         else:
             h = jax.nn.gelu(_add_bias(x @ self.fc1["kernel"][...], self.fc1))  # [B, T, F_tp]

@@ -322,3 +322,22 @@ def test_resuming_on_other_data_says_what_changed(capsys):
     assert err.count("\n") == 0 and "val_fraction 0.1 -> 0.03" in err and "val_path" not in err
     _warn_if_other_data({**data_identity(cfg), "position": 7}, cfg)
     assert capsys.readouterr().err == ""
+
+
+def test_prepare_writes_an_empty_text_as_no_sequence(tmp_path):
+    """An empty file is a document of no sequence, as preprocess_data.py writes a text that tokenizes to
+    nothing (Megatron's builder, transcribed in megatron_writer.py, gets `add_document([], [])`): the same
+    .bin and .idx bytes, and no zero-length sequence to sample from."""
+    from megatron_writer import write_fixture
+
+    (tmp_path / "src").mkdir()
+    texts = {"a.txt": "abc", "b.txt": "", "c.txt": "de"}
+    for name, text in texts.items():
+        (tmp_path / "src" / name).write_text(text)
+    assert main(["data", "prepare", str(tmp_path / "src"), str(tmp_path / "jzero")]) == 0
+    docs = [[list(t.encode())] if t else [] for _, t in sorted(texts.items())]
+    write_fixture(str(tmp_path / "megatron"), docs, np.uint16)
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"jzero.{ext}").read_bytes() == (tmp_path / f"megatron.{ext}").read_bytes(), ext
+    f = read_indexed(str(tmp_path / "jzero"))
+    assert f.document_indices.tolist() == [0, 1, 1, 2] and f.sequence_lengths.tolist() == [3, 2]

@@ -104,3 +104,21 @@ def test_llama_options_match_single_device_optax(path):
 def test_bad_model_options(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
+
+
+def test_swiglu_with_biases():
+    """swiglu with model.bias: fc1's bias [2, F] adds its gate row to the gate and its up row to up
+    (it used to be added to the stacked [2, B, T, F] pair, which does not broadcast)."""
+    from jzero.train.model import MLP
+
+    cfg = ModelConfig(vocab_size=64, d_model=8, n_layers=1, n_heads=2, d_ff=6, seq_len=4, mlp="swiglu", bias=True)
+    mlp = MLP(cfg, nnx.Rngs(0), jnp.float32, 0.02)
+    rng = np.random.default_rng(0)
+    for layer in (mlp.fc1, mlp.fc2):
+        layer["bias"] = nnx.Param(jnp.asarray(rng.standard_normal(layer["bias"].shape), jnp.float32))
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    w1, b1 = np.asarray(mlp.fc1["kernel"][...]), np.asarray(mlp.fc1["bias"][...])
+    w2, b2 = np.asarray(mlp.fc2["kernel"][...]), np.asarray(mlp.fc2["bias"][...])
+    gate, up = x @ w1[:, 0] + b1[0], x @ w1[:, 1] + b1[1]
+    want = (gate / (1 + np.exp(-gate)) * up) @ w2 + b2
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)
