@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import MeshConfig, ShardingStrategy, ZeroConfig, ZeroPath
 from jzero.interop.megatron import Hyperparams
-from jzero.mesh import make_mesh
+from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import ParamGroup, Zero, build_zero, groups
+from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 VARIANTS = {"single_bucket": None, "bucket1000": 1000}  # Megatron's bucket_size

@@ -250,8 +250,8 @@ def test_adamw_rounding_against_torch_order():
     each param by at most 1 ulp of its tensor's largest value (measured: 6.1e-8 of it)."""
     import jax.numpy as jnp
     import optax
-    from megatron_fixtures import B1, B2, CLIP, EPS, LR, WEIGHT_DECAY, inputs, loss_fn, tree
 
+    from helpers.megatron_fixtures import B1, B2, CLIP, EPS, LR, WEIGHT_DECAY, inputs, loss_fn, tree
     from jzero.zero import groups
     from jzero.zero.common.update import clip_by_global_norm
 
@@ -321,11 +321,11 @@ def test_bad_checkpoints_are_one_line(tmp_path):
 
     # an optimizer that is not Adam has nothing to take Megatron's state
     import optax
-    from megatron_fixtures import init_params, loss_fn
 
-    from jzero.config import MeshConfig, ZeroConfig
-    from jzero.mesh import make_mesh
+    from helpers.megatron_fixtures import init_params, loss_fn
+    from jzero.mesh import MeshConfig, make_mesh
     from jzero.zero import build_zero
+    from jzero.zero.config import ZeroConfig
 
     abstract = jax.eval_shape(init_params)
     sgd = build_zero(loss_fn, optax.sgd(0.1, momentum=0.9), make_mesh(MeshConfig(dp=8)), abstract,
@@ -339,8 +339,8 @@ def test_bf16_run_moves_exactly(fmt, tmp_path):
     bf16 params on flat ZeRO-2: the bf16 weights and the fp32 main params both as Megatron had them; and
     out again, Megatron's own legacy files bit for bit."""
     import jax.numpy as jnp
-    from megatron_fixtures import BF16, DATA
 
+    from helpers.megatron_fixtures import BF16, DATA
     from jzero.interop import torch_format
 
     with np.load(DATA / BF16 / "final_params.npz") as f:  # bf16 weights, widened to fp32 (exact)

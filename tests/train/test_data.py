@@ -328,7 +328,7 @@ def test_prepare_writes_an_empty_text_as_no_sequence(tmp_path):
     """An empty file is a document of no sequence, as preprocess_data.py writes a text that tokenizes to
     nothing (Megatron's builder, transcribed in megatron_writer.py, gets `add_document([], [])`): the same
     .bin and .idx bytes, and no zero-length sequence to sample from."""
-    from megatron_writer import write_fixture
+    from helpers.megatron_writer import write_fixture
 
     (tmp_path / "src").mkdir()
     texts = {"a.txt": "abc", "b.txt": "", "c.txt": "de"}

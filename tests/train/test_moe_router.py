@@ -353,7 +353,7 @@ def _moe_layer(**moe_keys):
     from flax import nnx
 
     from jzero.config import ModelConfig, MoEConfig
-    from jzero.train.model import MoE
+    from jzero.train.layers import MoE
 
     cfg = ModelConfig(d_model=12, d_ff=16, n_layers=2, moe=MoEConfig(num_experts=4, top_k=2, **moe_keys))
     return MoE(cfg, nnx.Rngs(0), jnp.float32, 0.02)
