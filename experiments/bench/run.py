@@ -15,7 +15,8 @@ Equal work. jzero runs with `optimizer.clip_grad=null` (no clipping), `weight_de
 `optax.adamw` with the same lr schedule and hyperparameters, call the model's own loss, and
 return the grad norm beside the loss, as jzero's step does. Each row's first step is checked
 against jzero's spec-path DDP step from the same params and batch: loss, grad norm, updated
-params and Adam's moments.
+params and Adam's moments (on GPU at full fp32 matmul precision, the timed steps at XLA's TF32
+default).
 
 Writes result.json, table.md and bench.png next to this file (or into --out).
 """
@@ -325,7 +326,14 @@ def prepare(name: str, step, state, batch, run, args) -> dict:
         "compile_s": time.perf_counter() - t0,
         "persistent_bytes": persistent_bytes(state),
     }
-    state, metrics = compiled(state, batch)
+    if args.backend == "gpu":
+        # XLA:GPU computes fp32 dots in TF32 by default, rounded differently with each program's layout
+        # (2.7e-4 apart on an H100): the checked step is the same program at full fp32, the timed ones
+        # are the default.
+        with jax.default_matmul_precision("highest"):
+            state, metrics = step.lower(state, batch).compile()(state, batch)
+    else:
+        state, metrics = compiled(state, batch)
     c["view"] = first_step_view(name.split("/")[1], state, metrics, run)
     c["state"], _ = run_steps(compiled, state, batch, args.warmup - 1)
     if args.profile:
