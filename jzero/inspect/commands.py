@@ -8,6 +8,7 @@ first and imports JAX only after `jzero.runtime.start_jax` (which sets the simul
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,12 @@ def add_parsers(subparsers, with_config) -> None:
     h = subparsers.add_parser("hlo", help="compiled collectives of each ZeRO stage: count, bytes, axes, vs theory")
     with_config(h)
     _common(h)
+    for flag, what in (
+        ("--nvlink-gbs", "GB/s per direction between GPUs of a host"),
+        ("--network-gbs", "GB/s per direction per GPU between hosts"),
+        ("--peak-tflops", "dense bf16 TFLOP/s per GPU"),
+    ):
+        h.add_argument(flag, type=_positive, metavar="X", help=f"{what} for the time estimate (default: the target's)")
     h.set_defaults(fn=cmd_hlo)
 
     m = subparsers.add_parser("memory", help="per-device bytes of each ZeRO stage (compiled and formula), fits?")
@@ -52,6 +59,16 @@ def _common(sp) -> None:
         "(default: hosts of 8 GPUs holding the mesh, one host with mesh.dp=-1); its product must equal the mesh size",
     )
     sp.add_argument("--json", metavar="FILE", help="also write the report as JSON (schema: docs/inspect.md)")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
 
 
 def _strategies(text: str) -> list[str]:
@@ -97,7 +114,13 @@ def _report(args, module_name: str) -> int:
     import importlib
 
     module = importlib.import_module(f"jzero.inspect.{module_name}")
-    doc = module.report(_compile_all(cfg, args, dump=module_name == "comms"))  # jzero hlo reads the peak
+    compiled = _compile_all(cfg, args, dump=module_name == "comms")  # jzero hlo reads the peak
+    if module_name == "comms":
+        from jzero.inspect.timing import Overrides
+
+        doc = module.report(compiled, Overrides(args.nvlink_gbs, args.network_gbs, args.peak_tflops))
+    else:
+        doc = module.report(compiled)
     print(module.format_report(doc))
     _write_json(args.json, doc)
     return 0

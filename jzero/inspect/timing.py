@@ -64,15 +64,15 @@ class Timing:
 
     def line(self) -> str:
         return (
-            f"exposed comm ~ {1e3 * self.exposed_s:.1f} ms against >= {1e3 * self.compute_s:.1f} ms of compute "
-            f"per step (all DP comm {1e3 * self.wire_s:.1f} ms, {100 * self.network_share:.0f}% of it across hosts)"
+            f"exposed comm ~ {1e3 * self.exposed_s:.3g} ms against >= {1e3 * self.compute_s:.3g} ms of compute "
+            f"per step (all DP comm {1e3 * self.wire_s:.3g} ms, {100 * self.network_share:.0f}% of it across hosts)"
         )
 
 
-def host_of(mesh: Mesh, gpus_per_host: int) -> np.ndarray:
-    """Per mesh position, the host of its device: `mesh.devices.flat` index // gpus per host (the
-    deviceless topology numbers its devices host by host)."""
-    return np.arange(mesh.devices.size).reshape(mesh.devices.shape) // gpus_per_host
+def host_of(mesh: Mesh) -> np.ndarray:
+    """Per mesh position, the host (process) of its device; a deviceless topology gives each of
+    its hosts a process index as a real pod does."""
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
 
 
 def crosses_hosts(axes: tuple[str, ...], mesh: Mesh, hosts: np.ndarray) -> bool:
@@ -81,9 +81,9 @@ def crosses_hosts(axes: tuple[str, ...], mesh: Mesh, hosts: np.ndarray) -> bool:
     return len(np.unique(hosts[index])) > 1
 
 
-def estimate(sch: Schedule, mesh: Mesh, links: Links, gpus_per_host: int) -> Timing:
-    """The `Timing` of the schedule `sch` of a step compiled for `mesh` on hosts of `gpus_per_host`."""
-    hosts = host_of(mesh, gpus_per_host)
+def estimate(sch: Schedule, mesh: Mesh, links: Links) -> Timing:
+    """The `Timing` of the schedule `sch` of a step compiled for `mesh` (its devices' hosts)."""
+    hosts = host_of(mesh)
     exposed = wire = network = 0.0
     for o in sch.overlaps:
         axes = hlo.axes_of_groups(o.collective.replica_groups, mesh)
@@ -98,17 +98,34 @@ def estimate(sch: Schedule, mesh: Mesh, links: Links, gpus_per_host: int) -> Tim
     return Timing(exposed, wire, compute, network / wire if wire else 0.0)
 
 
-def gpus_per_host(topology: str) -> int:
-    """The `D` of a deviceless topology "S x H x D"."""
-    return int(topology.lower().split("x")[-1])
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """The command line's `--nvlink-gbs`, `--network-gbs` (GB/s per direction) and `--peak-tflops`."""
+
+    nvlink_gbs: float | None = None
+    network_gbs: float | None = None
+    peak_tflops: float | None = None
+
+    def apply(self, links: Links) -> Links:
+        return Links(
+            nvlink=links.nvlink if self.nvlink_gbs is None else self.nvlink_gbs * GB,
+            network=links.network if self.network_gbs is None else self.network_gbs * GB,
+            peak_flops=links.peak_flops if self.peak_tflops is None else self.peak_tflops * 1e12,
+        )
 
 
-def with_overrides(
-    links: Links, nvlink_gbs: float | None, network_gbs: float | None, peak_tflops: float | None
-) -> Links:
-    """`links` with the command line's overrides (GB/s per direction, TFLOP/s)."""
-    return Links(
-        nvlink=links.nvlink if nvlink_gbs is None else nvlink_gbs * GB,
-        network=links.network if network_gbs is None else network_gbs * GB,
-        peak_flops=links.peak_flops if peak_tflops is None else peak_tflops * 1e12,
-    )
+def timing_report(target: str, sch: Schedule, mesh: Mesh, overrides: Overrides = Overrides()) -> dict | None:
+    """The `timing` entry of `jzero hlo --json`'s schedule (docs/inspect.md): `Timing`'s fields in
+    seconds, the links used (GB/s, TFLOP/s) and the line `jzero hlo` prints; None on a target
+    without `LINKS` (cpu: its collectives are memory copies)."""
+    if target not in LINKS:
+        return None
+    links = overrides.apply(LINKS[target])
+    t = estimate(sch, mesh, links)
+    return {
+        **dataclasses.asdict(t),
+        "nvlink_gbs": links.nvlink / GB,
+        "network_gbs": links.network / GB,
+        "peak_tflops": links.peak_flops / 1e12,
+        "line": t.line(),
+    }

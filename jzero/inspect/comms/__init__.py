@@ -19,7 +19,7 @@ import dataclasses
 import jax
 
 from jzero.config import to_dict
-from jzero.inspect import overlap, peak
+from jzero.inspect import overlap, peak, timing
 from jzero.inspect.comms import measure, notes, theory
 from jzero.inspect.comms.records import SCHEMA, Header, HloReport, StrategyComms
 from jzero.inspect.comms.text import LABELS, count, format_report, human
@@ -29,11 +29,13 @@ from jzero.mesh import EXPERT_DP_AXES, axes_size
 __all__ = ["LABELS", "SCHEMA", "analyze", "count", "format_report", "header", "human", "param_gather", "report"]
 
 
-def strategy_comms(c: CompiledStep) -> StrategyComms:
+def strategy_comms(c: CompiledStep, links: timing.Overrides = timing.Overrides()) -> StrategyComms:
     """The collectives of one compiled step, the theory and their ratio.
 
     The program is read once (`measure.read_program`): its collectives, and the schedule that
-    gives each one's runs per step (loop trip counts) and what overlaps it."""
+    gives each one's runs per step (loop trip counts) and what overlaps it; on a GPU target the
+    schedule's entry also estimates their time on the pod's links (`timing`, with `links`'
+    overrides of the target's figures)."""
     program = measure.read_program(c)
     rows = measure.rows(program.collectives, program.runs, c.run.mesh)
     th = theory.theory(c)
@@ -52,7 +54,10 @@ def strategy_comms(c: CompiledStep) -> StrategyComms:
         param_gather=measure.param_gather(c, program.collectives, program.runs),
         ratio=per_step.dp_wire_bytes / th.wire_bytes if th.wire_bytes else None,
         notes=notes.collect(c, static, per_step, th, rows),
-        schedule=overlap.schedule_report(c, program.schedule),  # what XLA overlaps each collective with
+        schedule={  # what XLA overlaps each collective with, and what the exposed ones cost in time
+            **overlap.schedule_report(c, program.schedule),
+            "timing": timing.timing_report(c.target, program.schedule, c.run.mesh, links),
+        },
         peak=peak.peak_report(c),  # what temp memory holds at its peak
     )
 
@@ -93,8 +98,9 @@ def header(c: CompiledStep) -> dict:
     return header_record(c).to_json()
 
 
-def report(compiled: dict[str, CompiledStep]) -> dict:
-    """The `jzero hlo --json` document: {schema, <header>, strategies: {name: analyze(...)}}."""
+def report(compiled: dict[str, CompiledStep], links: timing.Overrides = timing.Overrides()) -> dict:
+    """The `jzero hlo --json` document: {schema, <header>, strategies: {name: analyze(...)}};
+    `links` overrides the GPU target's link and peak figures of the time estimate."""
     first = next(iter(compiled.values()))
-    strategies = {s: strategy_comms(c) for s, c in compiled.items()}
+    strategies = {s: strategy_comms(c, links) for s, c in compiled.items()}
     return HloReport(header_record(first), strategies).to_json()

@@ -126,7 +126,12 @@ def _strategy(r: HloReport, name: str, s: StrategyComms) -> list[str]:
         )
     lines += [f"  note: {n}" for n in s.notes]
     plain = s.to_json()  # the schedule's and the peak's lines read their JSON entries
-    return lines + overlap.format_lines(plain) + peak.format_lines(plain)
+    t = plain["schedule"].get("timing")
+    on_links = (
+        [f"  {t['line']} (links {t['nvlink_gbs']:g} GB/s in a host, {t['network_gbs']:g} GB/s across; "
+         f"peak {t['peak_tflops']:g} TFLOP/s)"] if t else []
+    )  # fmt: skip
+    return lines + overlap.format_lines(plain) + on_links + peak.format_lines(plain)
 
 
 def _theory_terms(r: HloReport, th: Theory) -> list[str]:
