@@ -132,7 +132,7 @@ class GPTModel:
     blocks' load-balancing and z losses), where tokens are [B, T + 1] int32 (inputs are
     tokens[:, :-1], targets tokens[:, 1:]). With MoE the tokens of one call are one routing
     group: a single device reproduces a data-parallel run by calling it per rank and
-    microbatch (`tests/helpers.py`).
+    microbatch (`tests/helpers/__init__.py`).
 
     dp_axes: the axes the loss's data-parallel ranks are spread over when it runs (the mesh's
     `BATCH_AXES` inside the ZeRO step's shard_map; a vmap axis for a single-device reference);

@@ -41,7 +41,7 @@ def moe_config(strategy="optim_grads", mesh=(2, 2, 2), microbatches=1, path="spe
 
 def test_gshard_rule_keeps_first_choices_first_then_token_order():
     """`choice_then_position`, jzero's rule before issue 27: 6 tokens, 3 experts, top-2; every token
-    prefers expert 0, then expert 1; each expert keeps 4 (tests/test_moe_router.py: Megatron's)."""
+    prefers expert 0, then expert 1; each expert keeps 4 (tests/train/test_moe_router.py: Megatron's)."""
     x = jnp.ones((6, 1))
     _, expert, weight = moe.choose(moe.router_logits(x, jnp.array([[3.0, 2.0, 0.0]])), 2)  # router [D=1, E=3]
     cap = moe.capacity(6, 3, 2, 1.0)  # ceil((6 * 2 / 3) * 1.0) = 4

@@ -1,0 +1,109 @@
+"""How much DP communication does each ZeRO stage leave exposed, with Megatron's overlap off and on?
+
+    python experiments/collectives/overlap.py [--paths spec,flat] [--setups 7b-m1,7b-m8,70b]
+
+Compiles (runs nothing) the train step of every strategy, deviceless for H100 pods, once with
+`zero.overlap_grad_reduce: false` (the step as before overlap: grads reduced after the whole
+backward, params gathered after the optimizer) and once with the defaults (per-unit reductions
+inside the backward, params gathered inside the next forward), and reads from each program, as
+`jzero hlo` does: the DP wire bytes per step, the part with no dot or convolution in its window
+(exposed), its time on the pod's links against the step's compute at peak
+(`jzero/inspect/timing.py`), the compiled temp peak and the compile time. Setups: LLaMA-2-7B on
+8 H100s (one host) at 1 and 8 micro-batches, LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host).
+Writes `overlap.json` (one `jzero hlo --json` document per setup, path and overlap) and
+`overlap.md` (the table of experiments/collectives/README.md). About 40 minutes on 2 CPU cores
+per path; needs `.[gpu-aot]`.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from jzero.config import load_config
+from jzero.inspect import comms
+from jzero.inspect.compile import compile_step, with_zero
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import ROOT, start  # noqa: E402  (this folder's script: JAX on CPU, deviceless GPUs)
+
+HERE = Path(__file__).resolve().parent
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+LLAMA7 = str(ROOT / "configs" / "llama2_7b.yaml")
+LLAMA70 = str(ROOT / "configs" / "llama2_70b.yaml")
+SETUPS = {  # key: (label, config, overrides, topology)
+    "7b-m1": ("LLaMA-2-7B, 8 H100, M=1", LLAMA7, [], "1 x 1 x 8"),
+    "7b-m8": ("LLaMA-2-7B, 8 H100, M=8", LLAMA7, ["train.microbatches=8", "train.global_batch=64"], "1 x 1 x 8"),
+    "70b": ("LLaMA-2-70B, 64 H100, M=1", LLAMA70, [], "8 x 1 x 8"),
+    "tiny": ("tiny GPT, 8 H100, M=2", None, ["train.microbatches=2"], "1 x 1 x 8"),  # a quick try, not default
+}
+DEFAULT_SETUPS = "7b-m1,7b-m8,70b"
+OFF = ["zero.overlap_grad_reduce=false"]
+
+
+def run(config, overrides, path, topology, overlap: bool) -> dict:
+    cfg = load_config(config, [*overrides, *([] if overlap else OFF)])
+    compiled = {}
+    for s in STRATEGIES:
+        compiled[s] = compile_step(with_zero(cfg, s, path), "h100", topology)
+        print(f"  {s} overlap={'on' if overlap else 'off'}: {compiled[s].compile_s:.0f} s", flush=True)
+    return comms.report(compiled)
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def row(label: str, path: str, s: str, off: dict, on: dict) -> str:
+    def cells(d: dict) -> tuple[str, str, str]:
+        sch, t = d["schedule"], d["schedule"]["timing"]
+        exposed, dp = sch["exposed_dp_wire_bytes_per_step"], d["per_step"]["dp_wire_bytes"]
+        return (f"{gib(exposed)} ({exposed / dp:.1%})" if dp else "0", f"{1e3 * t['exposed_s']:.0f}",
+                gib(d["peak"]["temp_bytes"]))  # fmt: skip
+
+    (e0, ms0, p0), (e1, ms1, p1) = cells(off), cells(on)
+    t = on["schedule"]["timing"]
+    return (
+        f"| {label}, {path} | {LABELS[s]} | {gib(on['per_step']['dp_wire_bytes'])} | {on['ratio']:.3f} | {e0} | {e1} "
+        f"| {ms0} -> {ms1} of {1e3 * t['wire_s']:.0f} | {1e3 * t['compute_s']:.0f} | {p0} -> {p1} "
+        f"| {off['compile_s']:.0f} / {on['compile_s']:.0f} |"
+    )
+
+
+HEADER = (
+    "| setup, path | stage | DP wire/step GiB | wire/theory | exposed GiB, overlap off | exposed GiB, on "
+    "| exposed ms off -> on of all DP ms | compute ms (peak) | temp peak GiB off -> on | compile s off / on |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--paths", default="spec", help="comma-separated zero.path values (default spec)")
+    p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated, of {','.join(SETUPS)}")
+    args = p.parse_args()
+    start()
+    results, lines = {}, [HEADER]
+    for key in args.setups.split(","):
+        label, config, overrides, topology = SETUPS[key]
+        for path in args.paths.split(","):
+            t0 = time.perf_counter()
+            print(f"### {label}, {path}", flush=True)
+            off = run(config, overrides, path, topology, overlap=False)
+            on = run(config, overrides, path, topology, overlap=True)
+            results[f"{label}, {path}"] = {"off": off, "on": on}
+            for s in STRATEGIES:
+                lines.append(row(label, path, s, off["strategies"][s], on["strategies"][s]))
+                print(lines[-1], flush=True)
+            print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    (HERE / "overlap.json").write_text(json.dumps(results, indent=1) + "\n")
+    (HERE / "overlap.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {HERE / 'overlap.json'}, overlap.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
