@@ -247,6 +247,8 @@ def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scal
     if each and not first.extract:  # every micro-batch alike (ZeRO-3, ZeRO-2 without overlap_param_gather)
         return _alike(run, first, params, mbs, plan, options)
     loss, metrics, g, full = run(first, params, jax.tree.map(lambda x: x[0], mbs))
+    if each and m > 1:  # XLA:GPU would fold rs(first) + rs(next) into rs(first + next): a whole local grad
+        g = jax.lax.optimization_barrier(g)  # buffer for what is not in a unit (embedding, head) at M = 2
     params = full if first.extract else params
     losses, metrics = [loss[None]], [jax.tree.map(lambda x: x[None], metrics)]
     middle = mbs if each else jax.tree.map(lambda x: x[:-1], mbs)  # [1:] of these run alike

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers.programs import needs_gpu_plugin
 from helpers import reference_run, rel_param_errors, run_steps, tiny_config
 from jzero.config import validate
 from jzero.inspect import hlo, overlap
@@ -94,6 +95,20 @@ def test_zero1_reduce_scatters_per_unit_and_gathers_once():
         assert _per_step_payload(c, "reduce-scatter") == pytest.approx(4 * n, rel=0.01), microbatches  # fp32, once
         assert _per_step_payload(c, "all-gather") == pytest.approx(4 * n, rel=0.01), microbatches
         assert _per_step_payload(c, "all-reduce") < 1024  # the loss and norm scalars only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cpu", pytest.param("h100", marks=needs_gpu_plugin)])
+def test_zero2_reduce_scatters_every_micro_batch(target):
+    """ZeRO-2 with two micro-batches: each one's grads are reduce-scattered in its own backward (two
+    sets of grads on the wire, never a whole local grad buffer), though XLA could sum the first's
+    shard into the second's reduce-scatter (its reduce-scatter reassociation) once the one-step scan
+    of the later micro-batches is unrolled."""
+    cfg = tiny_config("optim_grads", microbatches=2, model=SCAN, train={"global_batch": 16})
+    c = compile_step(cfg, target, "1 x 1 x 8" if target == "h100" else None, dump=False)
+    n = sum(t.numel for t in jax.tree.leaves(c.run.zero.plan.tensors))
+    assert _per_step_payload(c, "reduce-scatter") == pytest.approx(2 * 4 * n, rel=0.01)
+    assert _per_step_payload(c, "all-gather") == pytest.approx(4 * n, rel=0.01)
 
 
 def test_hooks_follow_the_phase():
