@@ -114,7 +114,10 @@ class Overrides:
         )
 
 
-def timing_report(target: str, sch: Schedule, mesh: Mesh, overrides: Overrides = Overrides()) -> dict | None:
+DEFAULT = Overrides()  # the target's own figures
+
+
+def timing_report(target: str, sch: Schedule, mesh: Mesh, overrides: Overrides = DEFAULT) -> dict | None:
     """The `timing` entry of `jzero hlo --json`'s schedule (docs/inspect.md): `Timing`'s fields in
     seconds, the links used (GB/s, TFLOP/s) and the line `jzero hlo` prints; None on a target
     without `LINKS` (cpu: its collectives are memory copies)."""

@@ -29,7 +29,7 @@ from jzero.mesh import EXPERT_DP_AXES, axes_size
 __all__ = ["LABELS", "SCHEMA", "analyze", "count", "format_report", "header", "human", "param_gather", "report"]
 
 
-def strategy_comms(c: CompiledStep, links: timing.Overrides = timing.Overrides()) -> StrategyComms:
+def strategy_comms(c: CompiledStep, links: timing.Overrides = timing.DEFAULT) -> StrategyComms:
     """The collectives of one compiled step, the theory and their ratio.
 
     The program is read once (`measure.read_program`): its collectives, and the schedule that
@@ -98,7 +98,7 @@ def header(c: CompiledStep) -> dict:
     return header_record(c).to_json()
 
 
-def report(compiled: dict[str, CompiledStep], links: timing.Overrides = timing.Overrides()) -> dict:
+def report(compiled: dict[str, CompiledStep], links: timing.Overrides = timing.DEFAULT) -> dict:
     """The `jzero hlo --json` document: {schema, <header>, strategies: {name: analyze(...)}};
     `links` overrides the GPU target's link and peak figures of the time estimate."""
     first = next(iter(compiled.values()))

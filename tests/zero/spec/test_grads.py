@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers.programs import needs_gpu_plugin
 from helpers import reference_run, rel_param_errors, run_steps, tiny_config
+from helpers.programs import needs_gpu_plugin
 from jzero.config import validate
 from jzero.inspect import hlo, overlap
 from jzero.inspect.compile import compile_step
