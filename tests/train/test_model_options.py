@@ -109,7 +109,7 @@ def test_bad_model_options(overrides, needle):
 def test_swiglu_with_biases():
     """swiglu with model.bias: fc1's bias [2, F] adds its gate row to the gate and its up row to up
     (it used to be added to the stacked [2, B, T, F] pair, which does not broadcast)."""
-    from jzero.train.model import MLP
+    from jzero.train.layers import MLP
 
     cfg = ModelConfig(vocab_size=64, d_model=8, n_layers=1, n_heads=2, d_ff=6, seq_len=4, mlp="swiglu", bias=True)
     mlp = MLP(cfg, nnx.Rngs(0), jnp.float32, 0.02)
