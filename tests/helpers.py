@@ -196,12 +196,13 @@ def init_state(run: Run) -> TrainState:
 
 
 def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None = None):
-    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state).
+    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state), the params
+    (initial, and the state's) read as the params tree (`Zero.full_params`).
 
     record: if given, each step's metrics (floats) are appended to it."""
     run = setup(cfg, devices)
     state = init_state(run)
-    init = jax.device_get(state.params)
+    init = jax.device_get(run.zero.full_params(state.params))
     losses, norms = [], []
     for i in range(steps):
         state, m = run.zero.step(state, run.device_batch(i))
@@ -209,7 +210,7 @@ def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None
         norms.append(float(m["grad_norm"]))
         if record is not None:
             record.append({k: float(v) for k, v in m.items()})
-    return run, init, np.array(losses), np.array(norms), state
+    return run, init, np.array(losses), np.array(norms), state._replace(params=run.zero.full_params(state.params))
 
 
 def rel_param_errors(params, ref) -> dict[str, float]:

@@ -124,7 +124,7 @@ def test_validation_loss_matches_single_device(strategy, mesh, dp_outer, microba
     run = setup(cfg)
     rng = np.random.default_rng(0)  # any params will do (no init program to compile): N(0, 0.1^2) each
     params = jax.tree.map(lambda p: rng.normal(0, 0.1, p.shape).astype(p.dtype), run.model.abstract_params())
-    got = run.zero.evaluate(jax.device_put(params, run.zero.shardings.params), run.device_batch(STEPS))
+    got = run.zero.evaluate(run.zero.params_from_model(params), run.device_batch(STEPS))
     groups = cfg.dp_domain_size * microbatches if cfg.model.moe.num_experts else 1  # MoE routes per microbatch
     want = jax.jit(grouped_loss(run.model, groups))(params, run.dataset.batch(STEPS))
     np.testing.assert_allclose(float(got["loss"]), float(want), rtol=1e-5)

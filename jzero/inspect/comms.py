@@ -66,7 +66,7 @@ from jzero.train.model import is_moe_block
 from jzero.zero.common.strategies import restrict, spec_axes
 from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroPath
 from jzero.zero.flat import quantize
-from jzero.zero.memory import DOMAIN_NAMES
+from jzero.zero.memory import DOMAIN_NAMES, flat_numel_by_domain
 
 SCHEMA = "jzero.hlo/2"
 LABELS = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
@@ -359,13 +359,16 @@ def _notes(c: CompiledStep, dp_by_kind: dict, step_by_kind: dict, th: dict, rows
         )
     fp = c.run.zero.flat
     if fp is not None:
-        numel = plan.numel_by_domain()
-        for buf in fp.buffers:
-            size, ranks = buf.layout.numel, " x ".join(buf.model_axes)
+        numel, padded = plan.numel_by_domain(), flat_numel_by_domain(fp)
+        for kind in dict.fromkeys(buf.kind for buf in fp.buffers):
+            bufs = [buf for buf in fp.buffers if buf.kind == kind]
+            buf, size = bufs[0], padded[bufs[0].dp_axes]
+            per = f" in {len(fp.groups)} groups (FSDP units and the rest)" if fp.per_unit else ""
             notes.append(
-                f"flat {buf.kind} buffer: {size} elements per {ranks} rank in {buf.n_buckets} bucket(s), "
-                f"{size - numel[buf.dp_axes]} of them padding (64-element param starts, bucket ends at multiples "
-                f"of lcm({'d' if buf.kind == 'dense' else 'edp'}={buf.d}, 128)), which travels too"
+                f"flat {kind} buffers: {size} elements per {' x '.join(buf.model_axes)} rank{per}, "
+                f"{sum(b.n_buckets for b in bufs)} bucket(s), {size - numel[buf.dp_axes]} of them padding (64-element "
+                f"param starts, bucket ends at multiples of lcm({'d' if kind == 'dense' else 'edp'}={buf.d}, 128)), "
+                "which travels too"
             )
     if any(not r["axes"] for r in rows):
         notes.append("axes '-': a group of one device (a size-1 mesh axis, e.g. tp=1): no bytes move")
