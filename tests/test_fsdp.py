@@ -206,16 +206,19 @@ def test_checkpoints_move_between_zero3_hsdp_and_the_other_stages(tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
-def test_the_flat_path_refuses_zero3():
-    cfg = tiny_config(ZERO3, (8, 1, 1))
-    with pytest.raises(ConfigError, match="zero.path=spec only"):
-        setup(dataclasses.replace(cfg, zero=ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT)))
+def test_the_flat_paths_zero3_refuses_only_a_quantized_gather():
+    """Flat ZeRO-3 builds (its params rest as bucket shards, gathered per unit in the forward); the
+    quantized gather after the optimizer step (`zero.param_gather_dtype`) has no place there."""
+    z = setup(tiny_config(ZERO3, (8, 1, 1), zero={"path": "flat"}), with_data=False).zero
+    assert z.flat.params_rest_sharded and not z.params_in_state
+    with pytest.raises(ConfigError, match="params are gathered in the forward"):
+        ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT, param_gather_dtype="int8")
 
 
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["zero.strategy=optim_grads_params", "zero.path=flat"], "zero.path=spec only"),
+        (["zero.strategy=optim_grads_params", "zero.path=flat", "zero.param_gather_dtype=int8"], "in the forward"),
         (["zero.outer_strategy=everything"], "zero.outer_strategy"),
         (["mesh.dp_outer=3"], "mesh"),
     ],

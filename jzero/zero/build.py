@@ -46,25 +46,36 @@ class Zero:
       options: the step's options it was built with (microbatches, grad reduce dtype, clipping,
         loss scaling, has_aux): `build_zero`'s keyword arguments.
       plan: the per-tensor shardings (`strategies.ShardingPlan`).
-      flat: Megatron's flat buffers on the flat path, None on the spec path.
+      flat: Megatron's flat buffers on the flat path (per FSDP unit with `overlap_grad_reduce`, and
+        under ZeRO-3; `flat/plan.py`), None on the spec path.
       inner: the wrapped optax transformation.
       groups: per param its `groups.ParamGroup`, or None (no multipliers).
-      shardings: a TrainState of NamedShardings (params tp-sharded and replicated over DP;
-        optimizer state per the strategy and path; step replicated).
-      init_opt: params -> ZeroState, to call under jit (see `init_state`).
+      shardings: a TrainState of NamedShardings (params tp-sharded, replicated over DP or split
+        over it where they rest sharded; on the flat path there one array per flat bucket, see
+        `full_params`; optimizer state per the strategy and path; step replicated).
+      init_opt: the state's params -> ZeroState, to call under jit (see `init_state`).
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
-      grads: jitted (params, batch) -> the reduced grads as the optimizer reads them (spec:
+      grads: jitted (state params, batch) -> the reduced grads as the optimizer reads them (spec:
         per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
-        [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard), of the loss
+        [ep * tp, S_b] expert ([L, ...] a scanned stack's), split over the bucket's DP domain
+        unless no_shard), of the loss
         unscaled: with fp16 params small ones may underflow where the step's scaled ones do not.
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout, all in device memory), where `to_model_space` puts it.
-      evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
+      evaluate: jitted (state params, batch) -> {"loss", **metrics} replicated: the loss as the step
         computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
         the same params and batch it is the step's "loss".
       offload: which optimizer-state leaves live in host memory (`common/offload.py`; their
         `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
+      to_state: the params tree -> what `TrainState.params` holds, None where that is the tree.
+
+    `TrainState.params` is the params tree on the spec path and wherever the flat path keeps the
+    params whole (DDP; ZeRO-1/2 without `overlap_param_gather`). Where the flat path's params rest
+    sharded (ZeRO-3; ZeRO-1/2 with `overlap_param_gather`, the default with overlap) it holds one
+    array per flat bucket instead, which the step's forward gathers per unit; `full_params(state.params)`
+    reads them as the params tree (checkpoints, `jzero layout` readers and users do), `params_from_model`
+    is its inverse, and `evaluate`, `grads` and `init_opt` take what the state holds.
     """
 
     config: ZeroConfig
@@ -202,9 +213,12 @@ def build_zero(
       units: same structure, per param None (in no FSDP unit) or its number of leading
         stacked-layer dims: 0 for one block's param, 1 for a `scan`ned stack [L, ...]. The
         loss must run each unit through `jzero.zero.unit` (`GPTModel.units` marks its
-        blocks). Under ZeRO-2/3 a unit's grads are then reduce-scattered as soon as its
-        backward is done, and ZeRO-3 gathers its params just before it runs. Default: no
-        units (ZeRO-3 gathers every param before the loss, ZeRO-2 reduces after backward).
+        blocks). Under ZeRO-2/3 (and DDP/ZeRO-1 with `overlap_grad_reduce`) a unit's grads are
+        then reduced as soon as its backward is done, and ZeRO-3 gathers its params just
+        before it runs. The flat path lays out one set of buffers per unit, a unit being the
+        params that share their path up to its first integer key (`blocks/3`), or their first
+        key (`blocks`, a scanned stack): `flat/plan.unit_key`. Default: no units (ZeRO-3
+        gathers every param before the loss, ZeRO-2 reduces after backward).
       groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.
       clip_grad: global-norm clipping across shards (Megatron's), None = off.
       microbatches: gradient accumulation steps per `step`.

@@ -31,6 +31,13 @@ outer_strategy no_shard) or reduce-scatter it there too (outer_strategy optim). 
 (`RESHARD_POLICY`): they are gathered again when the unit's backward runs, as FSDP2 does.
 Params outside every unit (embeddings, final norm, head) are materialized by the step before the
 loss runs, and their grads reduced when their backward is complete.
+
+The flat path reduces a unit's grads per flat bucket, not per param: the loss gets the whole unit
+as one `GroupParam` leaf (at its first param; `GroupRef`s at the others) holding one `BucketParam`
+per bucket, whose static hook (`GroupHook`, the flat path's `flat/hooks.BucketHook`) gathers the
+bucket, cuts it into its params and, in backward, lays their grads into the bucket and reduces it:
+the same custom_vjp with sinks, carry and extraction, one per bucket. `unit` materializes a unit's
+groups as it materializes its `UnitParam`s.
 """
 
 from __future__ import annotations

@@ -85,9 +85,19 @@ def global_norm(fp: FlatPlan, grads: Sequence[jax.Array], ranks: Sequence[jax.Ar
     tp-replicated elements apart) summed over the axes its elements are distinct on
     (`FlatBuffer.norm_axes`), as Megatron's `get_grad_norm_fp32` counts tp duplicates once."""
     squares: dict[tuple[str, ...], jax.Array] = {}
-    for (buf, _), g, split in zip(fp.buckets, grads, on_shards(fp, fp.tp_sharded, ranks)):
-        for weight, axes in ((split, buf.norm_axes(tp_split=True)), (1 - split, buf.norm_axes(tp_split=False))):
-            squares[axes] = squares.get(axes, 0.0) + jnp.sum(g * g * weight)
+
+    def add(axes, value):
+        squares[axes] = squares.get(axes, 0.0) + value
+
+    for (buf, b), g, rank in zip(fp.buckets, grads, ranks):
+        kinds = {fp.tp_sharded[buf.params[j]] for j in buf.layout.bucket_params[b]}
+        if len(kinds) == 1:  # one kind: no weights (a weight broadcast to a stacked [L, S] would cost memory)
+            add(buf.norm_axes(tp_split=kinds.pop()), jnp.sum(g * g))
+            continue
+        per_position = jnp.sum(g * g, axis=tuple(range(g.ndim - 1)))  # a stacked bucket's layers summed first
+        split = values_on_shard(buf, b, fp.tp_sharded, rank)
+        add(buf.norm_axes(tp_split=True), jnp.sum(per_position * split))
+        add(buf.norm_axes(tp_split=False), jnp.sum(per_position * (1 - split)))
     return jnp.sqrt(sum(jax.lax.psum(sq, axes) if axes else sq for axes, sq in squares.items()))
 
 
