@@ -1,4 +1,4 @@
-"""`jzero` command line: train, layout, hlo, memory, ckpt, data.
+"""`jzero` command line: train, layout, hlo, memory, ckpt (info, import-/export-megatron), data.
 
 JAX is imported only after the config is read, so `train.host_devices` can set the
 number of simulated CPU devices before the backend starts.
@@ -80,7 +80,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_ckpt_info(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jzero.train.checkpoint import describe, verify_steps
+    from jzero.train.ckpt_info import describe, verify_steps
 
     try:
         print(describe(args.dir))
@@ -118,9 +118,9 @@ def _cmd_layout(args) -> int:
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the flat path's layout
     _start(cfg)
     from jzero.inspect.layout import describe, format_layout
-    from jzero.train.loop import setup
+    from jzero.run import build_run
 
-    d = describe(setup(cfg, with_data=False).zero.flat)
+    d = describe(build_run(cfg).zero.flat)
     if not 0 <= args.rank < d["buffer"]["dp_size"]:
         raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
     print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))
@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim"
         )
 
-    t = sub.add_parser("train", help="train a GPT with a ZeRO strategy")
+    t = sub.add_parser("train", help="train a GPT (or the model.impl model) with a ZeRO strategy")
     with_config(t)
     t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -164,12 +164,15 @@ def _parser() -> argparse.ArgumentParser:
 
     add_launch(sub, t)
 
-    ck = sub.add_parser("ckpt", help="inspect checkpoints")
+    ck = sub.add_parser("ckpt", help="inspect checkpoints; move them to and from Megatron")
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
     info = ck_sub.add_parser("info", help="steps, the writer's strategy/mesh/dtypes, per-array shapes")
     info.add_argument("dir")
     info.add_argument("--verify", action="store_true", help="read every array and check it against its fingerprint")
     info.set_defaults(fn=_cmd_ckpt_info)
+    from jzero.interop.commands import add_parsers as add_megatron  # import-/export-megatron (imports no JAX)
+
+    add_megatron(ck_sub, with_config)
 
     data = sub.add_parser("data", help="training data")
     data_sub = data.add_subparsers(dest="data_command", required=True)

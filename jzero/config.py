@@ -23,6 +23,8 @@ from jzero.errors import ConfigError
 from jzero.mesh import AUTO_DP, MeshConfig
 from jzero.zero.config import DynamicLossScale, ParamGroupRule, ZeroConfig
 
+# `model.impl` of jzero's GPT, the default model (the keys of `ModelConfig` are its).
+GPT_IMPL = "jzero.train.model:GPTModel"
 # The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
 # falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
 BF16_MAX_DECAY = 0.96
@@ -74,33 +76,62 @@ class PosKind(str, enum.Enum):
     ROPE = "rope"  # rotary embeddings on q and k, no params (LLaMA)
 
 
+class DropPolicy(str, enum.Enum):
+    """`model.moe.drop_policy`: which token copies an expert over capacity keeps (Megatron's
+    `moe_token_drop_policy`, and GShard's rule)."""
+
+    PROBS = "probs"  # the highest routing probabilities (Megatron's default)
+    POSITION = "position"  # the earliest tokens; the rest, at the end of the rank's batch, drop
+    CHOICE_THEN_POSITION = "choice_then_position"  # GShard: first choices before second, then position
+
+
+class AuxLossKind(str, enum.Enum):
+    """`model.moe.aux_loss_kind`: over which tokens Switch's load-balancing loss takes its statistics
+    (Megatron's `moe_router_load_balancing_type`)."""
+
+    MICRO_BATCH = "micro_batch"  # each rank's micro-batch (Megatron's aux_loss)
+    SEQUENCE = "sequence"  # each sequence, averaged (seq_aux_loss; DeepSeek-V2/V3)
+    GLOBAL = "global"  # expert counts over every DP rank's micro-batch (global_aux_loss)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Mixture of experts (Switch/GShard): some blocks' MLP becomes `num_experts` MLPs and a router.
+    """Mixture of experts (Switch/GShard, Megatron's `topk` router): some blocks' MLP becomes
+    `num_experts` MLPs and a router.
 
     A softmax router sends each token to its `top_k` most probable experts, weighting each
     expert's output by that probability. Each rank routes its own tokens (per microbatch):
-    an expert takes at most `ceil(capacity_factor * top_k * tokens / num_experts)` of them,
-    first choices before second choices, and drops the rest (`dropped_frac` in the metrics);
-    the load-balancing loss is Switch's (Megatron's `aux_loss`). Expert weights are stacked
-    on an expert dim split over `mesh.ep`; tokens reach them by all-to-all over ep.
+    an expert takes at most Megatron's `ceil((tokens * top_k / num_experts) * capacity_factor)`
+    of them and drops the rest by `drop_policy` (`dropped_frac` in the metrics); without a
+    capacity (null) nothing is dropped and the experts run only the routed tokens. The
+    load-balancing loss is Switch's over `aux_loss_kind`'s tokens, the z-loss ST-MoE's.
+    Expert weights are stacked on an expert dim split over `mesh.ep`; tokens reach them by
+    all-to-all over ep.
     """
 
     num_experts: int = 0  # 0 = a dense model
     top_k: int = 2
     every: int = 1  # blocks every-1, 2*every-1, ... are MoE (Megatron's moe_layer_freq)
-    capacity_factor: float | None = 1.25  # null = dropless (an expert may take every token)
+    capacity_factor: float | None = 1.25  # null = dropless: grouped matmuls over the routed tokens only
+    drop_policy: DropPolicy = DropPolicy.PROBS  # over capacity: keep the most probable copies
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss, per MoE block
+    aux_loss_kind: AuxLossKind = AuxLossKind.MICRO_BATCH
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss weight, per MoE block (Megatron: 1e-3 to start); 0 = off
+    router_dtype: DType | None = DType.FLOAT32  # router logits, probabilities and output weighting; null = activations'
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A GPT: token embeddings, pre-norm attention and MLP blocks.
+    """The model: `impl` names its class (`jzero.model`, the protocol), which reads the keys below.
 
-    The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options
-    (swiglu, rmsnorm, no bias, rope, grouped-query attention).
+    `vocab_size` and `seq_len` are the harness's too (the data's ids, the batch's [B, seq_len + 1]
+    tokens); the rest describe jzero's GPT (token embeddings, pre-norm attention and MLP blocks) and
+    are checked only for it (`_check_gpt`): another model reads those it wants and checks them itself.
+    The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options (swiglu, rmsnorm,
+    no bias, rope, grouped-query attention).
     """
 
+    impl: str = GPT_IMPL  # "package.module:Class" implementing `jzero.model.Model`
     vocab_size: int = 256  # byte-level text needs >= 256
     d_model: int = 128
     n_layers: int = 4
@@ -361,7 +392,7 @@ def resolve_mesh(cfg: Config, n_devices: int) -> Config:
     """`cfg` with `mesh.dp=-1` filled in for `n_devices` devices, then validated again (the batch
     split depends on dp). With mesh.dp set, `cfg` itself: `make_mesh` checks it against the devices.
 
-    Called once the device count is known (`jzero.train.loop.setup`, after JAX has started).
+    Called once the device count is known (`jzero.run.build_run`, after JAX has started).
     """
     mesh = cfg.mesh.resolve(n_devices)
     if mesh == cfg.mesh:
@@ -488,8 +519,29 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         )
     if moe.capacity_factor is not None:
         _positive("model.moe.capacity_factor", moe.capacity_factor)
-    if not moe.aux_loss_coef >= 0:
-        raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0")
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if not getattr(moe, key) >= 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+
+
+def _check_gpt(m: ModelConfig, mesh: MeshConfig) -> None:
+    """jzero's GPT: can the mesh split its heads, MLP and experts (the keys only it reads)?"""
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % mesh.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.d_ff % mesh.tp:
+        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
+    if m.n_kv_heads is not None:
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+        if m.n_kv_heads % mesh.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(
+            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
+        )
+    _check_moe(m, mesh)
 
 
 def _check_data(cfg: Config) -> None:
@@ -525,26 +577,12 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for f in dataclasses.fields(cfg.distributed):
         _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
-    if m.n_heads % mesh.tp:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
-    if m.d_ff % mesh.tp:
-        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
-    if m.n_kv_heads is not None:
-        if m.n_heads % m.n_kv_heads:
-            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
-        if m.n_kv_heads % mesh.tp:
-            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
-    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(
-            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
-        )
+    if m.impl == GPT_IMPL:
+        _check_gpt(m, mesh)
     # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.
     if mesh.dp != AUTO_DP and t.global_batch % (cfg.dp_domain_size * t.microbatches):
         raise ConfigError(
             f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
         )
-    _check_moe(m, mesh)
     _check_data(cfg)

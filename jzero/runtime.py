@@ -7,7 +7,7 @@ device count cannot change afterwards), so this module imports JAX only inside i
 On a GPU host nothing here points JAX away from the GPUs: JAX_PLATFORMS is left alone, and
 the mesh is built on `jax.devices()`, the default backend's devices (CUDA's outrank the CPU's),
 so the simulated CPU devices exist but no mesh uses them. `mesh.dp=-1` is filled in from the
-device count once JAX has started (`jzero.config.resolve_mesh`, called by `jzero.train.loop.setup`).
+device count once JAX has started (`jzero.config.resolve_mesh`, called by `jzero.run.build_run`).
 
 A multi-process run (`--coordinator` by hand, `jzero launch --local N`, `--distributed` on a
 cluster; docs/cluster.md) ends within bounds, each process with one line saying why. JAX's

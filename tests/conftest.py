@@ -1,4 +1,14 @@
-"""Every test runs on 8 simulated CPU devices (set once, before JAX starts).
+"""Every test runs on 8 simulated CPU devices (set once, here, before JAX starts).
+
+Layout: tests/ mirrors jzero/. A module's own tests sit where the module sits (jzero/zero/flat/plan.py:
+tests/zero/flat/test_plan.py; every module of jzero/zero/ has one, on the small pytree model of
+`helpers.pytree`), and tests of a whole path or feature sit beside the modules they cross
+(tests/zero/test_fidelity.py: every strategy and path against optax; tests/inspect/: `jzero hlo` and
+`jzero memory`; tests/train/: the harness; tests/experiments/: the experiments the tests run;
+tests/test_cli.py and the others at the top: jzero/cli.py, runtime.py, launch.py). pytest imports
+test modules by path (pyproject: `--import-mode=importlib`), so two may share a basename, and
+never one another: what tests share lives in one package, tests/helpers/ (pyproject's `pythonpath`
+puts tests/ on sys.path; its modules are listed in its docstring).
 
 `-m "not slow"` is the fast subset (under 3 minutes on 2 cores): the `slow` tests (subprocess and
 multi-process runs, deviceless GPU compiles) and all but the first case of each `matrix` are left out.

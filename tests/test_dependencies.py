@@ -56,10 +56,11 @@ def requirement_closure(root: str, extras: set[str]) -> set[str]:
 
 
 def local_modules() -> set[str]:
+    """jzero, and the modules and packages of tests/ (at any depth: it mirrors jzero/) and experiments/."""
     names = {"jzero", "conftest"}
     for folder in (ROOT / "tests", *sorted((ROOT / "experiments").iterdir())):
         if folder.is_dir():
-            names |= {p.stem for p in folder.glob("*.py")}
+            names |= {p.stem for p in folder.rglob("*.py")} | {p.parent.name for p in folder.rglob("__init__.py")}
     return names
 
 
@@ -79,8 +80,8 @@ def imports(path: Path) -> dict[str, str]:
 
 
 def files_the_tests_run() -> list[Path]:
-    """tests/*.py and the experiments' scripts that a test runs."""
-    tests = sorted((ROOT / "tests").glob("*.py"))
+    """tests/**/*.py and the experiments' scripts that a test runs."""
+    tests = sorted((ROOT / "tests").rglob("*.py"))
     text = "\n".join(p.read_text() for p in tests)
     run = [p for p in sorted((ROOT / "experiments").glob("*/*.py")) if f'"{p.parent.name}" / "{p.name}"' in text]
     return tests + run

@@ -15,7 +15,8 @@ Equal work. jzero runs with `optimizer.clip_grad=null` (no clipping), `weight_de
 `optax.adamw` with the same lr schedule and hyperparameters, call the model's own loss, and
 return the grad norm beside the loss, as jzero's step does. Each row's first step is checked
 against jzero's spec-path DDP step from the same params and batch: loss, grad norm, updated
-params and Adam's moments.
+params and Adam's moments (on GPU at full fp32 matmul precision, the timed steps at XLA's TF32
+default).
 
 Writes result.json, table.md and bench.png next to this file (or into --out).
 """
@@ -30,6 +31,20 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzero.config import load_config
+from jzero.inspect import hlo
+from jzero.mesh import DENSE_DP_AXES
+from jzero.runtime import start_jax
+from jzero.train import loop
+
 HERE = Path(__file__).resolve().parent
 IMPLS = ("jzero-spec", "jzero-flat", "hand-constraints", "hand-shard_map")
 GPU_IMPLS = ("jzero-spec", "jzero-flat", "plain-optax")
@@ -43,7 +58,8 @@ HAND_STAGES = {
 COMMON = ["optimizer.clip_grad=null", "optimizer.weight_decay_1d=true", "optimizer.warmup_steps=0", "train.steps=1000"]
 MODELS = {  # name: config overrides on configs/default.yaml
     "tiny": [],  # the default: 0.8M params, 32 x 128 tokens
-    "smoke": ["model.n_layers=1"],  # tests/test_bench_smoke.py: the tiny GPT with one block, compiled in half the time
+    # tests/experiments/test_bench_smoke.py: the tiny GPT with one block, compiled in half the time
+    "smoke": ["model.n_layers=1"],
     # 6.4M params, 8 x 8 tokens (one sequence per device): the matmuls only stream the weights, so
     # the backward costs about what the AdamW update costs, and DDP updates every param on each of the
     # 8 devices where ZeRO-1/2 update 1/8 each: the update is ~half of DDP's step (`ddp_update_share`).
@@ -68,7 +84,7 @@ MODELS = {  # name: config overrides on configs/default.yaml
 H100_SXM_DENSE_BF16_TFLOPS = 989.4  # NVIDIA H100 SXM datasheet, dense (no sparsity); TF32 494.7, FP32 66.9
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--backend", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument(
@@ -83,7 +99,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=H100_SXM_DENSE_BF16_TFLOPS, help="gpu: peak for MFU")
     ap.add_argument("--profile", type=Path, default=None, help="write each config's HLO, memory and trace here")
     ap.add_argument("--out", type=Path, default=HERE, help="where result.json, table.md, bench.png go")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.models = (args.models or ("tiny,wide" if args.backend == "cpu" else "gpt2,wide")).split(",")
     impls = IMPLS if args.backend == "cpu" else GPU_IMPLS
     args.only = tuple(args.only.split(",")) if args.only else impls
@@ -93,26 +109,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-ARGS = parse_args()
-if ARGS.backend == "cpu":
-    os.environ["JAX_PLATFORMS"] = "cpu"  # simulated devices, even on a GPU host
+def start(backend: str) -> None:
+    """JAX with 8 simulated CPU devices; `--backend cpu` runs on them even on a GPU host (the platform is
+    set through jax.config: JAX read the JAX_PLATFORMS variable when it was imported)."""
+    if backend == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    start_jax(8)
 
-from jzero.runtime import start_jax  # noqa: E402
-
-start_jax(8)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.flatten_util import ravel_pytree  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jzero.config import load_config  # noqa: E402
-from jzero.inspect import hlo  # noqa: E402
-from jzero.mesh import DENSE_DP_AXES  # noqa: E402
-from jzero.train import loop  # noqa: E402
 
 # ---------------------------------------------------------------- the hand-written baselines
 
@@ -261,7 +264,7 @@ def adam_moments(opt_state) -> tuple:
 def first_step_view(impl: str, state, metrics, run) -> dict:
     """Host copies of what the check compares, in model space: loss, grad_norm, params, mu, nu."""
     if impl.startswith("jzero"):
-        params = state.params
+        params = run.zero.full_params(state.params)
         mu, nu = adam_moments(jax.jit(run.zero.to_model_space)(state.opt_state).inner_state)
     else:
         params, opt_state = state
@@ -323,7 +326,14 @@ def prepare(name: str, step, state, batch, run, args) -> dict:
         "compile_s": time.perf_counter() - t0,
         "persistent_bytes": persistent_bytes(state),
     }
-    state, metrics = compiled(state, batch)
+    if args.backend == "gpu":
+        # XLA:GPU computes fp32 dots in TF32 by default, rounded differently with each program's layout
+        # (2.7e-4 apart on an H100): the checked step is the same program at full fp32, the timed ones
+        # are the default.
+        with jax.default_matmul_precision("highest"):
+            state, metrics = step.lower(state, batch).compile()(state, batch)
+    else:
+        state, metrics = compiled(state, batch)
     c["view"] = first_step_view(name.split("/")[1], state, metrics, run)
     c["state"], _ = run_steps(compiled, state, batch, args.warmup - 1)
     if args.profile:
@@ -615,8 +625,9 @@ def machine(devices) -> dict:
     }
 
 
-def main() -> int:
-    args = ARGS
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start(args.backend)
     if args.backend == "gpu":
         if jax.default_backend() != "gpu":
             print(f"warning: --backend gpu but JAX's backend is {jax.default_backend()}", file=sys.stderr)

@@ -15,14 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from jzero.config import load_config
+from jzero.inspect import comms
+from jzero.inspect.compile import compile_step, with_zero
 from jzero.runtime import start_jax
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # CPU devices and deviceless GPUs, even on a GPU host
-start_jax(host_devices=8)
-
-from jzero.config import load_config  # noqa: E402
-from jzero.inspect import comms  # noqa: E402
-from jzero.inspect.compile import compile_step, with_zero  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -83,7 +81,16 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def start() -> None:
+    """JAX on 8 simulated CPU devices (and deviceless GPUs), even on a GPU host, unless JAX_PLATFORMS says
+    otherwise; the platform goes through jax.config, as JAX read the variable when it was imported."""
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    start_jax(host_devices=8)
+
+
 def main() -> int:
+    start()
     results, tables = {}, []
     for name, setup in SETUPS.items():
         t0 = time.perf_counter()

@@ -16,15 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from jzero.config import load_config
+from jzero.inspect import memory
+from jzero.inspect.compile import compile_step, with_zero
+from jzero.inspect.targets import TARGETS
 from jzero.runtime import start_jax
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # CPU devices and deviceless GPUs, even on a GPU host
-start_jax(host_devices=8)
-
-from jzero.config import load_config  # noqa: E402
-from jzero.inspect import memory  # noqa: E402
-from jzero.inspect.compile import compile_step, with_zero  # noqa: E402
-from jzero.inspect.targets import TARGETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parents[1] / "configs"
@@ -218,7 +216,16 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def start() -> None:
+    """JAX on 8 simulated CPU devices (and deviceless GPUs), even on a GPU host, unless JAX_PLATFORMS says
+    otherwise; the platform goes through jax.config, as JAX read the variable when it was imported."""
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    start_jax(host_devices=8)
+
+
 def main() -> int:
+    start()
     if "--replot" in sys.argv:  # tables and plot again from result.json, no compiling
         result = json.loads((HERE / "result.json").read_text())
     else:

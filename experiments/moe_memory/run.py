@@ -20,17 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from jzero.config import load_config
+from jzero.inspect import comms, memory
+from jzero.inspect.compile import compile_step, with_zero
+from jzero.inspect.targets import TARGETS
 from jzero.runtime import start_jax
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPUs, even on a GPU host
-start_jax(host_devices=8)
-
-import jax  # noqa: E402
-
-from jzero.config import load_config  # noqa: E402
-from jzero.inspect import comms, memory  # noqa: E402
-from jzero.inspect.compile import compile_step, with_zero  # noqa: E402
-from jzero.inspect.targets import TARGETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE.parents[1] / "configs" / "mixtral_8x7b.yaml"
@@ -129,7 +125,16 @@ def tables(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def start() -> None:
+    """JAX on 8 simulated CPU devices (and deviceless GPUs), even on a GPU host, unless JAX_PLATFORMS says
+    otherwise; the platform goes through jax.config, as JAX read the variable when it was imported."""
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    start_jax(host_devices=8)
+
+
 def main() -> int:
+    start()
     if "--tables" in sys.argv:
         result = json.loads((HERE / "result.json").read_text())
     else:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jzero.config import Config, ConfigError, validate
 from jzero.mesh import AUTO_DP, AXES
-from jzero.train import loop
+from jzero.run import Run, build_run
 from jzero.zero.common.state import TrainState
 from jzero.zero.config import ShardingStrategy, ZeroPath
 
@@ -98,7 +98,7 @@ class CompiledStep:
     """One config's train step, compiled for a target.
 
     Attributes:
-      run: what `loop.setup` built (model, `run.zero`: plan, shardings, jitted step); its dataset is None.
+      run: what `jzero.run.build_run` built (the model, `run.zero`: plan, shardings, jitted step); no dataset.
       compiled: the compiled step (`as_text()`, `memory_analysis()`); it cannot run on a GPU target.
       state: the abstract `TrainState`, leaves `ShapeDtypeStruct`s with their NamedShardings.
       target: "cpu" or a key of `targets.TARGETS`.
@@ -107,7 +107,7 @@ class CompiledStep:
       dump: XLA's dump of this compile (`compile_step(..., dump=True)`), else None.
     """
 
-    run: loop.Run
+    run: Run
     compiled: jax.stages.Compiled
     state: TrainState
     target: str
@@ -175,13 +175,14 @@ def with_zero(
     return cfg
 
 
-def setup_without_data(cfg: Config, devices: list | None) -> loop.Run:
-    """`loop.setup` minus the dataset, which compiling never reads (and which can be costly:
-    the synthetic chain is a [V, V] matrix, 8 GB at LLaMA's V = 32000)."""
-    return loop.setup(cfg, devices, with_data=False)
+def setup_without_data(cfg: Config, devices: list | None) -> Run:
+    """`cfg`'s run without its dataset (`jzero.run.build_run`: the model `model.impl` names, its ZeRO
+    run), which compiling never reads (and which can be costly: the synthetic chain is a [V, V]
+    matrix, 8 GB at LLaMA's V = 32000)."""
+    return build_run(cfg, devices)
 
 
-def abstract_state(run: loop.Run) -> TrainState:
+def abstract_state(run: Run) -> TrainState:
     """The train state as `ShapeDtypeStruct`s in `run.zero.shardings` (traced, never allocated)."""
     shapes = jax.eval_shape(run.init_state)
     return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.zero.shardings, shapes)

@@ -262,8 +262,11 @@ def format_lines(s: dict) -> list[str]:
     dp = s.get("dp_wire_bytes", 0.0)
     dp_step = s.get("per_step", {}).get("dp_wire_bytes", dp)
     order = "" if sch["scheduled"] else " NOT a scheduled module: its order may not be the execution order"
+    n = sch.get("unknown_trip_counts", 0)
+    # e.g. dropless MoE's tile loops, whose trip count the routing sets (docs/moe.md)
+    once = f" ({n} loop(s) with a data-dependent trip count counted once)" if n else ""
     lines.append(
         f"  exposed DP wire/device {h(per_step)} of {h(dp_step)} per step ({h(exposed)} of {h(dp)} per "
-        f"instruction); step {sch['step_flops']:.3g} dot/conv flops{order}"
+        f"instruction); step {sch['step_flops']:.3g} dot/conv flops{once}{order}"
     )
     return lines

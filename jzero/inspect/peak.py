@@ -36,6 +36,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from jzero import model as protocol
 from jzero.inspect import hlo
 from jzero.inspect.hlo_module import Instr, Module, dims, ints
 
@@ -140,7 +141,7 @@ def peak(
     *,
     param_shapes: set[tuple[int, ...]],
     seq_len: int,
-    attention_elements: int,
+    attention_elements: int | None,
 ) -> Peak:
     """What temp memory holds at its peak (module docstring), from XLA's after-optimizations dump.
 
@@ -149,7 +150,8 @@ def peak(
         `*after_optimizations-live-range.txt` and `*after_optimizations.txt` of one compile.
       param_shapes: each param's per-device shape (tp-local; a scanned stack and one layer of it)
         as sorted non-1 dims; a value with one of these is param-shaped.
-      seq_len: T; attention_elements: fewest elements of an attention buffer (B x H_tp x T x T).
+      seq_len: T; attention_elements: fewest elements of an attention buffer (B x H_tp x T x T), None
+        for a model without attention (`jzero.model.attention_elements`): nothing is `attention` then.
     """
     allocation, values = _temp_values(buffer_assignment)
     ranges = _live_ranges(live_range)
@@ -258,7 +260,11 @@ def _classify(m: Module, key, size, shape, param_shapes, seq_len, attention_elem
     value_dims = dims(shape)
     backward = "transpose(" in op_name and "rematted_computation" not in op_name
     grad_code = function.startswith(GRAD_CODE)
-    scores = sum(d == seq_len for d in value_dims) >= 2 and math.prod(value_dims) >= attention_elements
+    scores = (
+        attention_elements is not None
+        and sum(d == seq_len for d in value_dims) >= 2
+        and math.prod(value_dims) >= attention_elements
+    )
     if "attention" in function.lower() and scores:
         category = "attention"
     elif _reduced(m, o) or (grad_code and any(_reduced(m, _origin(m, p, ())) for p in o.operands)):
@@ -306,14 +312,13 @@ def peak_report(c, largest: int = 5) -> dict:
         raise ValueError("the step was compiled without XLA's dump: compile_step(..., dump=True)")
     tp = c.run.mesh.shape.get("tp", 1)
     rows_per_rank = cfg.train.global_batch // (cfg.dp_domain_size * cfg.train.microbatches)
-    t = cfg.model.seq_len
     p = peak(
         c.dump.buffer_assignment,
         c.dump.live_range,
         c.dump.hlo,
         param_shapes=_param_shapes(c),
-        seq_len=t,
-        attention_elements=max(rows_per_rank, 1) * max(cfg.model.n_heads // tp, 1) * t * t,
+        seq_len=cfg.model.seq_len,
+        attention_elements=protocol.attention_elements(c.run.model, max(rows_per_rank, 1), tp),
     )
     return {
         "temp_bytes": c.compiled.memory_analysis().temp_size_in_bytes,

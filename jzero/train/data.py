@@ -4,7 +4,7 @@ split of a step's rows gives the same global batch.
 
 A step's global batch is numpy int32 `[global_batch, seq_len + 1]` (inputs + shifted
 targets). `rows(step, start, stop)` makes only the rows `[start, stop)`: each process
-reads the rows its own devices hold (`jzero.train.loop.Run.device_batch`), and no
+reads the rows its own devices hold (`jzero.run.Run.device_batch`), and no
 process materialises the whole global batch.
 
 Real data is a token stream (`TokenData`): bytes of text files, a flat file of token ids

@@ -56,3 +56,9 @@ def fingerprint(x: jax.Array) -> jax.Array:
 def fingerprints(tree):
     """`fingerprint` of every leaf of `tree` (one jitted program; the leaves keep their shardings)."""
     return jax.tree.map(fingerprint, tree)
+
+
+def mismatched(saved: dict[str, int], arrays: dict[str, jax.Array]) -> list[str]:
+    """Names of the `arrays` (by name) whose fingerprint differs from the one `saved` with them, sorted."""
+    sums = jax.device_get(fingerprints(arrays))
+    return sorted(n for n, f in saved.items() if int(sums[n]) != f)

@@ -1,4 +1,4 @@
-"""The training harness: config -> mesh, model, ZeRO optimizer, jitted step -> metrics."""
+"""The training harness: a run (`jzero.run`) and its data -> steps, checkpoints, metrics, summary."""
 
 from __future__ import annotations
 
@@ -10,164 +10,30 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh
 
 from jzero import multihost
-from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, loss_scale, resolve_mesh
+from jzero.config import Config, ConfigError
 from jzero.errors import Preempted, RunError
-from jzero.mesh import make_mesh
+from jzero.optim import lr_schedule
+from jzero.run import Run, build_run
 from jzero.train.data import data_identity, make_datasets
-from jzero.train.model import GPTModel
-from jzero.zero import Zero, build_zero, groups
-from jzero.zero.common.moments import store_state_in
 from jzero.zero.common.state import TrainState
-from jzero.zero.config import DynamicLossScale
-
-
-def lr_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to `optimizer.lr`, then cosine decay to 10% of it at `train.steps`."""
-    o = cfg.optimizer
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.lr,
-        warmup_steps=o.warmup_steps,
-        decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
-        end_value=0.1 * o.lr,
-    )
-
-
-def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The element-wise optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
-
-    optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
-    weight decay reads each param's `wd_mult`, a last step its `lr_mult`; with
-    `optimizer.moments_dtype: bfloat16` its state is stored in bf16 (`zero.moments`).
-    """
-    o, lr = cfg.optimizer, lr_schedule(cfg)
-    if o.name == OptimizerName.ADAMW:
-        chain = groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-    else:
-        if o.name == OptimizerName.SGD:
-            direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
-        else:
-            direction = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
-        chain = optax.chain(direction, optax.scale_by_learning_rate(lr), groups.scale_by_lr_mult())
-    if o.moments_dtype == MomentsDType.FLOAT32:
-        return chain
-    return store_state_in(chain, jnp.dtype(o.moments_dtype.value))
-
-
-def loss_scaling(cfg: Config) -> DynamicLossScale | None:
-    """Megatron's dynamic loss scaling for float16 params (`precision.*loss_scale*`), else None."""
-    return loss_scale(cfg.precision) if cfg.precision.param_dtype == DType.FLOAT16 else None
-
-
-def param_groups(cfg: Config, model: GPTModel, abstract_params) -> Any:
-    """Megatron's param groups for the model: no weight decay for biases and 1-D params (unless
-    `optimizer.weight_decay_1d`), then `optimizer.param_groups`; None if they change nothing."""
-    o = cfg.optimizer
-    has_decay = o.name == OptimizerName.ADAMW
-    resolved = groups.param_groups(
-        abstract_params,
-        weight_decay_1d=o.weight_decay_1d or not has_decay,
-        rules=o.param_groups,
-        ndims=model.layer_ndims(abstract_params),
-    )
-    return None if groups.is_trivial(resolved) else resolved
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything one training run is built from; see `setup`."""
-
-    cfg: Config
-    model: GPTModel
-    zero: Zero  # plan, shardings, init, step, grads, evaluate: built once by jzero.zero.build_zero
-    dataset: Any
-    val_dataset: Any = None  # validation data (`data.val_path` / `data.val_fraction`), None if none
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.zero.mesh
-
-    def init_state(self) -> TrainState:
-        return self.zero.init_state(self.model.init)
-
-    def device_batch(self, step: int, dataset: Any = None) -> jax.Array:
-        """The global batch of `step` of `dataset` (default: the training data), int32 `[B, seq_len + 1]`
-        with B split over the dense DP domain (`batch_sharding`).
-
-        Each process reads from the dataset only the rows its own devices hold, so no process
-        materialises the whole global batch; a row is a pure function of (seed, step, row), so
-        every process's rows belong to the same global batch.
-        """
-        dataset = self.dataset if dataset is None else dataset
-        shape = dataset.shape
-        rows: dict[tuple[int, int], np.ndarray] = {}  # tp replicas hold the same rows: read them once
-
-        def shard(index: tuple[slice, ...]) -> np.ndarray:
-            start, stop, _ = index[0].indices(shape[0])
-            if (start, stop) not in rows:
-                rows[start, stop] = dataset.rows(step, start, stop)
-            return rows[start, stop][(slice(None), *index[1:])]
-
-        return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
-
-    def evaluate(self, params) -> dict[str, float]:
-        """The validation loss (and the loss's metrics): the mean over `train.eval_batches` global batches
-        of the validation data, batch i its "step" i, so every evaluation reads the same rows.
-
-        Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings.
-        """
-        n = self.cfg.train.eval_batches
-        total = None
-        for i in range(n):
-            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset))
-            total = m if total is None else jax.tree.map(jnp.add, total, m)
-        return {k: float(v) / n for k, v in jax.device_get(total).items()}
-
-    def evaluates_at(self, step: int) -> bool:
-        """Whether the loop evaluates after `step` steps: every `train.eval_every` and at the last."""
-        every, last = self.cfg.train.eval_every, self.cfg.train.steps
-        return self.val_dataset is not None and every > 0 and (step % every == 0 or step == last)
 
 
 def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> Run:
-    """Resolves the mesh, model and ZeRO run for `cfg` (raises ConfigError on misfit).
+    """`jzero.run.build_run` (mesh, the model `model.impl` names, ZeRO run; ConfigError on misfit) and
+    the run's datasets, which every process must agree on.
 
-    This is where a config meets its devices (default: all of JAX's devices, every process's),
-    so `mesh.dp=-1` is filled in here, once; `Run.cfg` is the resolved config.
     with_data=False skips the dataset (compile-only tools never read it).
     """
-    devices = jax.devices() if devices is None else devices
-    cfg = resolve_mesh(cfg, len(devices))
-    mesh = make_mesh(cfg.mesh, devices)
-    model = GPTModel(cfg.model, param_dtype=jnp.dtype(cfg.precision.param_dtype.value), seed=cfg.train.seed)
-    abstract = model.abstract_params()
-    zero = build_zero(
-        model.loss_and_metrics,
-        inner_optimizer(cfg),
-        mesh,
-        abstract,
-        model.tp_specs(abstract),
-        cfg.zero,
-        is_expert=model.is_expert(abstract),
-        units=model.units(abstract),
-        groups=param_groups(cfg, model, abstract),
-        clip_grad=cfg.optimizer.clip_grad,
-        microbatches=cfg.train.microbatches,
-        grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
-        has_aux=True,
-        loss_scale=loss_scaling(cfg),
-    )
-    dataset, val_dataset = _datasets(cfg) if with_data else (None, None)
-    return Run(cfg, model, zero, dataset, val_dataset)
+    run = build_run(cfg, devices)
+    if not with_data:
+        return run
+    dataset, val_dataset = _datasets(run.cfg)
+    return dataclasses.replace(run, dataset=dataset, val_dataset=val_dataset)
 
 
 def _datasets(cfg: Config):

@@ -1,4 +1,5 @@
-"""A GPT in flax NNX with Megatron-style tensor parallelism expressed as sharding specs.
+"""A GPT in flax NNX with Megatron-style tensor parallelism expressed as sharding specs; its
+layers are in `layers.py`, `GPTModel` is its `jzero.model.Model`.
 
 Shapes (B batch, T seq, D d_model, H heads, G kv heads, R = H/G, K head dim, F d_ff,
 V vocab, L layers), with the tp split Megatron uses (column-parallel QKV/FC1,
@@ -23,7 +24,6 @@ the axis tokens travel over to their experts; without it every expert is local).
 
 from __future__ import annotations
 
-import math
 import re
 
 import jax
@@ -32,9 +32,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import MlpKind, ModelConfig, NormKind, PosKind
+from jzero.config import ModelConfig, PosKind
 from jzero.mesh import EP_AXIS
+from jzero.model import TokenExchange
 from jzero.train import moe
+from jzero.train.layers import N_STATS, Block, is_moe_block, norm, normal
 from jzero.zero.common import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
@@ -73,174 +75,6 @@ def tp_spec(name: str, ndim: int | None = None, stacked: bool = False) -> P:
     return spec
 
 
-def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> nnx.Param:
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
-def _zeros(shape, dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype))
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, d: int, dtype, bias: bool = True):
-        self.scale = nnx.Param(jnp.ones((d,), dtype))
-        self.bias = _zeros((d,), dtype) if bias else None
-
-    def __call__(self, x):  # [B, T, D], statistics in fp32
-        xf = x.astype(jnp.float32)
-        mean = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, d: int, dtype):
-        self.scale = nnx.Param(jnp.ones((d,), dtype))
-
-    def __call__(self, x):  # [B, T, D], statistics in fp32
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + 1e-5)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def _norm(cfg: ModelConfig, dtype) -> nnx.Module:
-    if cfg.norm == NormKind.RMSNORM:
-        return RMSNorm(cfg.d_model, dtype)
-    return LayerNorm(cfg.d_model, dtype, cfg.bias)
-
-
-def _linear(rngs: nnx.Rngs, shape, std: float, dtype, bias_shape) -> nnx.Dict:
-    """kernel[shape] (normal, std) and, if `bias_shape` is not None, bias[bias_shape] = 0."""
-    kernel = _normal(rngs, shape, std, dtype)
-    if bias_shape is None:
-        return nnx.Dict(kernel=kernel)
-    return nnx.Dict(kernel=kernel, bias=_zeros(bias_shape, dtype))
-
-
-def _add_bias(y, layer: nnx.Dict):
-    return y + layer["bias"][...] if "bias" in layer else y
-
-
-def rope(x, theta: float = 10000.0):
-    """Rotary position embedding (LLaMA's rotate-half form) of x[..., T, G, K], in fp32."""
-    t, k = x.shape[-3], x.shape[-1]
-    freq = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)  # [K/2]
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None, None] * freq  # [T, 1, K/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _reduce_tp(x, tp_axis: str | None):
-    return x if tp_axis is None else jax.lax.psum(x, tp_axis)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
-        d, h = cfg.d_model, cfg.n_heads
-        g = cfg.n_kv_heads or h
-        # No QKV bias: the key bias cannot change the output (softmax is shift-invariant), so
-        # its true gradient is 0 and Adam would turn rounding noise into full-size steps.
-        self.qkv = nnx.Dict(kernel=_normal(rngs, (d, h // g + 2, g, d // h), 0.02, dtype))
-        self.proj = _linear(rngs, (h, d // h, d), out_std, dtype, (d,) if cfg.bias else None)
-        self.rope = cfg.pos == PosKind.ROPE
-
-    def __call__(self, x, tp_axis=None):  # x [B, T, D]
-        qkv = jnp.einsum("btd,dsgk->sbtgk", x, self.qkv["kernel"][...])
-        q, k, v = qkv[:-2], qkv[-2], qkv[-1]  # q [R, B, T, G, K]; k, v [B, T, G, K]
-        if self.rope:
-            q, k = rope(q), rope(k)
-        scores = jnp.einsum("rbtgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-        t = x.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
-        out = jnp.einsum("bgrts,bsgk->btgrk", probs, v)
-        out = out.reshape(*out.shape[:2], -1, out.shape[-1])  # [B, T, H, K], h = g * R + r
-        y = _reduce_tp(jnp.einsum("bthk,hkd->btd", out, self.proj["kernel"][...]), tp_axis)
-        return _add_bias(y, self.proj)
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
-        d, f = cfg.d_model, cfg.d_ff
-        self.swiglu = cfg.mlp == MlpKind.SWIGLU
-        fc1 = (d, 2, f) if self.swiglu else (d, f)
-        self.fc1 = _linear(rngs, fc1, 0.02, dtype, fc1[1:] if cfg.bias else None)
-        self.fc2 = _linear(rngs, (f, d), out_std, dtype, (d,) if cfg.bias else None)
-
-    def __call__(self, x, tp_axis=None):  # x [B, T, D]
-        if self.swiglu:
-            gate, up = _add_bias(jnp.einsum("btd,dsf->sbtf", x, self.fc1["kernel"][...]), self.fc1)
-            h = jax.nn.silu(gate) * up  # [B, T, F_tp]
-        else:
-            h = jax.nn.gelu(_add_bias(x @ self.fc1["kernel"][...], self.fc1))  # [B, T, F_tp]
-        return _add_bias(_reduce_tp(h @ self.fc2["kernel"][...], tp_axis), self.fc2)
-
-
-class MoE(nnx.Module):
-    """E MLPs (the dense MLP's shapes on a leading [E] dim) behind a top-k router (`moe.py`)."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
-        d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.num_experts
-        self.swiglu = cfg.mlp == MlpKind.SWIGLU
-        self.top_k, self.capacity_factor = cfg.moe.top_k, cfg.moe.capacity_factor
-        fc1 = (e, d, 2, f) if self.swiglu else (e, d, f)
-        self.router = nnx.Dict(kernel=_normal(rngs, (d, e), 0.02, dtype))
-        self.experts = nnx.Dict(
-            fc1=_linear(rngs, fc1, 0.02, dtype, (e, *fc1[2:]) if cfg.bias else None),
-            fc2=_linear(rngs, (e, f, d), out_std, dtype, (e, d) if cfg.bias else None),
-        )
-
-    def _experts(self, x, tp_axis):  # x [E_ep, S, D] slots of the local experts
-        fc1, fc2 = self.experts["fc1"], self.experts["fc2"]
-        if self.swiglu:
-            h = jnp.einsum("esd,edgf->gesf", x, fc1["kernel"][...])
-            if "bias" in fc1:
-                h = h + jnp.moveaxis(fc1["bias"][...], 1, 0)[:, :, None]
-            h = jax.nn.silu(h[0]) * h[1]  # [E_ep, S, F_tp]
-        else:
-            h = jnp.einsum("esd,edf->esf", x, fc1["kernel"][...])
-            h = jax.nn.gelu(h + fc1["bias"][...][:, None] if "bias" in fc1 else h)
-        y = _reduce_tp(jnp.einsum("esf,efd->esd", h, fc2["kernel"][...]), tp_axis)
-        return y + fc2["bias"][...][:, None] if "bias" in fc2 else y
-
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac])."""
-        b, t, d = x.shape
-        tokens = x.reshape(b * t, d)
-        e = self.router["kernel"].shape[-1]
-        cap = moe.capacity(b * t, e, self.top_k, self.capacity_factor)
-        routing = moe.route(tokens, self.router["kernel"][...], self.top_k, cap)
-        slots = moe.to_experts(moe.dispatch(tokens, routing, e, cap), ep_axis)
-        y = moe.combine(moe.from_experts(self._experts(slots, tp_axis), ep_axis), routing, b * t)
-        return y.reshape(b, t, d), jnp.stack([routing.aux_loss, routing.dropped_frac])
-
-
-def is_moe_block(cfg: ModelConfig, i: int) -> bool:
-    """Block i's MLP is MoE: blocks every-1, 2*every-1, ... (all of them with every=1)."""
-    return cfg.moe.num_experts > 0 and i % cfg.moe.every == cfg.moe.every - 1
-
-
-class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, is_moe: bool = False):
-        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual projections
-        self.ln1 = _norm(cfg, dtype)
-        self.attn = Attention(cfg, rngs, dtype, out_std)
-        self.ln2 = _norm(cfg, dtype)
-        self.mlp = (MoE if is_moe else MLP)(cfg, rngs, dtype, out_std)
-
-    def __call__(self, x, tp_axis=None, ep_axis=None):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac]) (zeros for a dense block)."""
-        x = x + self.attn(self.ln1(x), tp_axis)
-        if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis)
-            return x + y, stats
-        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((2,), jnp.float32)
-
-
 def _stack(blocks: list[Block]) -> Block:
     """One Block whose params are the blocks' params stacked on a leading [L] dim."""
     graphdef = nnx.graphdef(blocks[0])
@@ -250,42 +84,42 @@ def _stack(blocks: list[Block]) -> Block:
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.tok_emb = _normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02, dtype)
+        self.tok_emb = normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02, dtype)
         learned = cfg.pos == PosKind.LEARNED
-        self.pos_emb = _normal(rngs, (cfg.seq_len, cfg.d_model), 0.01, dtype) if learned else None
+        self.pos_emb = normal(rngs, (cfg.seq_len, cfg.d_model), 0.01, dtype) if learned else None
         # Built one by one either way, so scan_layers stacks exactly the params of the loop.
         blocks = [Block(cfg, rngs, dtype, is_moe_block(cfg, i)) for i in range(cfg.n_layers)]
         self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
-        self.ln_f = _norm(cfg, dtype)
-        self.head = None if cfg.tie_embeddings else _normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
+        self.ln_f = norm(cfg, dtype)
+        self.head = None if cfg.tie_embeddings else normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
-    def _run_blocks(self, x, tp_axis, ep_axis):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac] summed over the blocks).
+    def _run_blocks(self, x, tp_axis, ep_axis, dp_axes):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks).
 
         Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
         before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
             # remat: Megatron's full recompute, keeping only each block's input for backward
-            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis)  # noqa: E731
+            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes)  # noqa: E731
             return units.unit(block, state, x, remat=self.remat)
         if self.scan_layers:
             graphdef, states = nnx.split(self.blocks)
             x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)
             return x, stats.sum(axis=0)
-        stats = jnp.zeros((2,), jnp.float32)
+        stats = jnp.zeros((N_STATS,), jnp.float32)
         for block in self.blocks:
             x, s = layer(*nnx.split(block), x)
             stats = stats + s
         return x, stats
 
-    def __call__(self, tokens, tp_axis=None, ep_axis=None):
-        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac] summed over MoE blocks)."""
+    def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=()):
+        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE blocks)."""
         x = self.tok_emb[...][tokens]
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
-        x, stats = self._run_blocks(x, tp_axis, ep_axis)
+        x, stats = self._run_blocks(x, tp_axis, ep_axis, dp_axes)
         x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
         return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats
@@ -295,14 +129,19 @@ class GPTModel:
     """The functional face of `GPT`: params are a plain nested dict of arrays.
 
     init() -> params; loss(params, tokens) -> mean next-token cross-entropy (plus the MoE
-    blocks' load-balancing loss), where tokens are [B, T + 1] int32 (inputs are
+    blocks' load-balancing and z losses), where tokens are [B, T + 1] int32 (inputs are
     tokens[:, :-1], targets tokens[:, 1:]). With MoE the tokens of one call are one routing
     group: a single device reproduces a data-parallel run by calling it per rank and
     microbatch (`tests/helpers.py`).
+
+    dp_axes: the axes the loss's data-parallel ranks are spread over when it runs (the mesh's
+    `BATCH_AXES` inside the ZeRO step's shard_map; a vmap axis for a single-device reference);
+    `model.moe.aux_loss_kind: global` sums its expert counts over them. () = each call's
+    tokens are the whole batch.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0):
-        self.cfg, self.dtype, self.seed = cfg, jnp.dtype(param_dtype), seed
+    def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes: tuple[str, ...] = ()):
+        self.cfg, self.dtype, self.seed, self.dp_axes = cfg, jnp.dtype(param_dtype), seed, tuple(dp_axes)
         self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(seed), self.dtype)))
 
     @property
@@ -350,18 +189,46 @@ class GPTModel:
         return jax.tree_util.tree_map_with_path(ndim, params)
 
     def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
-        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' mean
-        `aux_loss` (before its coefficient) and `dropped_frac`."""
-        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis)
+        """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' means, before their
+        coefficients, of the load-balancing loss (named by its kind, `moe.AUX_METRIC`), of
+        `dropped_frac` and, with `z_loss_coef` > 0, of `z_loss`."""
+        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        n = self.n_moe_blocks
+        n, o = self.n_moe_blocks, self.cfg.moe
         if n == 0:
             return loss, {}
-        loss = loss + self.cfg.moe.aux_loss_coef * stats[0]
-        return loss, {"aux_loss": stats[0] / n, "dropped_frac": stats[1] / n}
+        loss = loss + o.aux_loss_coef * stats[0] + o.z_loss_coef * stats[2]
+        metrics = {moe.AUX_METRIC[o.aux_loss_kind]: stats[0] / n, "dropped_frac": stats[1] / n}
+        return loss, metrics | ({"z_loss": stats[2] / n} if o.z_loss_coef > 0 else {})
 
     def loss(self, params, tokens, tp_axis=None, ep_axis=None):
         return self.loss_and_metrics(params, tokens, tp_axis, ep_axis)[0]
+
+    # What the inspect tools ask a model (`jzero.model`): the estimates only the model can give.
+
+    @property
+    def remat(self) -> bool:
+        """Each block recomputes its forward for its backward (`model.remat`)."""
+        return self.cfg.remat
+
+    def token_exchange(self, tokens: int) -> TokenExchange | None:
+        """The all-to-alls of one rank's micro-batch of `tokens` (None for a dense model): each MoE block
+        sends the tokens' expert slots [E, C, D] (`moe.dispatch`, C the capacity of `tokens`), or dropless
+        its routed copies [k N, D] by a ragged all-to-all, to the experts' ep ranks and gets the outputs
+        back, 2 all-to-alls forward, their 2 transposes backward, and 2 more where remat recomputes the
+        forward."""
+        m = self.cfg.moe
+        if self.n_moe_blocks == 0:
+            return None
+        cap = moe.capacity(tokens, m.num_experts, m.top_k, m.capacity_factor)
+        rows = m.top_k * tokens if cap is None else m.num_experts * cap  # dropless: the routed copies
+        slot_bytes = rows * self.cfg.d_model * self.dtype.itemsize
+        return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.cfg.remat else 4), dropless=cap is None)
+
+    def attention_elements(self, rows: int, tp: int) -> int:
+        """Elements of one [rows, H/tp, T, T] attention-score buffer (scores, probabilities, their grads)."""
+        t = self.cfg.seq_len
+        return rows * max(self.cfg.n_heads // tp, 1) * t * t
 
 
 def _name(path) -> str:

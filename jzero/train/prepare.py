@@ -2,11 +2,13 @@
 
 What Megatron's `tools/preprocess_data.py` writes, from a directory of text instead of JSON lines:
 each `*.py` / `*.txt` / `*.md` file under SRC_DIR (sorted by path, installed packages skipped, as
-`data.kind: text` reads them) is one document of one sequence. Its tokens are its bytes (ids
-0..255), or with `--tokenizer tokenizer.json` the ids a Hugging Face `tokenizers` file gives its
-UTF-8 text (the optional extra `pip install 'jzero[data]'`; the file is read from the path given,
-nothing is downloaded). The ids are stored as Megatron's `DType.optimal_dtype` picks: uint16 for
-a vocabulary below 65500, else int32. Documents are written one at a time, never all in memory.
+`data.kind: text` reads them) is one document of one sequence; a file whose text gives no token (an
+empty file) is a document of no sequence, as preprocess_data.py skips a text that tokenizes to
+nothing. Its tokens are its bytes (ids 0..255), or with `--tokenizer tokenizer.json` the ids a
+Hugging Face `tokenizers` file gives its UTF-8 text (the optional extra `pip install 'jzero[data]'`;
+the file is read from the path given, nothing is downloaded). The ids are stored as Megatron's
+`DType.optimal_dtype` picks: uint16 for a vocabulary below 65500, else int32. Documents are written
+one at a time, never all in memory.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def prepare(src: str, out_prefix: str, tokenizer: str | None = None) -> dict:
 
     def documents() -> Iterator[list[np.ndarray]]:
         for f in files:
-            yield [np.asarray(encode(f.read_bytes()), np.int64)]
+            ids = np.asarray(encode(f.read_bytes()), np.int64)
+            yield [ids] if ids.size else []  # an empty text: a document of no sequence, as Megatron writes it
 
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
     n_docs, n_tokens = write_indexed(out_prefix, documents(), dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from jzero.train.moe import AUX_METRIC
 from jzero.zero.memory import formula_bytes, per_device_bytes, shard_bytes
 
 
@@ -89,11 +90,13 @@ def _validation(metrics: list[dict]) -> dict:
 
 
 def _moe(metrics: list[dict]) -> dict:
-    """{"moe": {aux_loss_last, dropped_frac_mean}} for a MoE model's run, else {}."""
+    """{"moe": {aux_loss_last, dropped_frac_mean}} for a MoE model's run, else {}: aux_loss_last is the
+    load-balancing loss of the run's kind (`aux_loss`, `seq_aux_loss` or `global_aux_loss`)."""
     if "dropped_frac" not in metrics[0]:
         return {}
     dropped = sum(m["dropped_frac"] for m in metrics) / len(metrics)
-    return {"moe": {"aux_loss_last": metrics[-1]["aux_loss"], "dropped_frac_mean": dropped}}
+    (aux,) = (name for name in AUX_METRIC.values() if name in metrics[-1])
+    return {"moe": {"aux_loss_last": metrics[-1][aux], "dropped_frac_mean": dropped}}
 
 
 def _devices(mesh) -> dict:

@@ -12,7 +12,7 @@ the updates it returns stay fp32: only the moments carry bf16's 8-bit mantissa.
 Limit: an exponential moving average `m = beta * m + (1 - beta) * x` stored by round-to-nearest
 stops falling once `(1 - beta) * (m - x)` is below half of bf16's step at m (2**-9 to 2**-8 of m),
 so it can sit up to 2**-8 / (1 - beta) above the fp32 value: within 8% at b2 = 0.95, 1.4x at 0.99,
-32x at Adam's usual 0.999 (tests/test_precision.py measures it). The CLI refuses b1 or b2 above
+32x at Adam's usual 0.999 (tests/zero/test_precision.py measures it). The CLI refuses b1 or b2 above
 `config.BF16_MAX_DECAY` (0.96) with bf16 moments; a Python user wrapping their own chain must keep
 its decays there too, or keep that moment in fp32.
 """

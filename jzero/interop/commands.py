@@ -1,0 +1,211 @@
+"""`jzero ckpt import-megatron`, `export-megatron` and `megatron-names`: a Megatron run moved to jzero's
+checkpoints and back, for jzero's GPT (docs/megatron.md, "Moving a run between Megatron and jzero").
+
+The config (YAML and `--set`, as `jzero train` takes them) describes the model, its optimizer and
+the mesh the state is laid out on; Megatron's names are those of its GPTModel with the local layer
+spec (`gpt.megatron_names`), or a names file (`--names`). This module imports no JAX until a command
+runs, so the parser costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
+
+
+def add_parsers(ckpt_sub, with_config) -> None:
+    """Registers the commands under `jzero ckpt` (`ckpt_sub`: its subparsers)."""
+
+    def common(sp) -> None:
+        with_config(sp)
+        sp.add_argument(
+            "--names", metavar="FILE",
+            help="a names file (JSON): Megatron key -> jzero param, in Megatron's registration order (default: "
+            "GPTModel's local spec, as `jzero ckpt megatron-names` prints it)",
+        )  # fmt: skip
+
+    imp = ckpt_sub.add_parser(
+        "import-megatron", help="a Megatron checkpoint (legacy or torch_dist) -> a new jzero checkpoint directory"
+    )
+    imp.add_argument("megatron", metavar="MEGATRON_CKPT", help="Megatron's --save directory or one iter_N folder")
+    imp.add_argument("out", metavar="OUT_DIR", help="the jzero checkpoint directory to create (new or empty)")
+    common(imp)
+    imp.add_argument(
+        "--bucket-size", type=int, metavar="N",
+        help="the run's --ddp-bucket-size (legacy format only: it does not record its buckets)",
+    )  # fmt: skip
+    imp.set_defaults(fn=_cmd_import)
+
+    exp = ckpt_sub.add_parser(
+        "export-megatron", help="a jzero checkpoint -> Megatron's legacy format (--ckpt-format torch)"
+    )
+    exp.add_argument("dir", metavar="CKPT_DIR", help="a jzero checkpoint directory")
+    exp.add_argument("out", metavar="OUT_DIR", help="Megatron's --load directory to write iter_N/ into")
+    common(exp)
+    exp.add_argument(
+        "--bucket-size", type=int, metavar="N",
+        help="the Megatron run's --ddp-bucket-size (with --overlap-grad-reduce); default: one bucket",
+    )  # fmt: skip
+    exp.add_argument("--step", type=int, help="the step to export (default: the newest)")
+    exp.set_defaults(fn=_cmd_export)
+
+    names = ckpt_sub.add_parser("megatron-names", help="print the names file of the config's GPT (JSON)")
+    with_config(names)
+    names.set_defaults(fn=_cmd_names)
+
+
+def _check_megatron_gpt(cfg: Config) -> None:
+    if cfg.model.moe.num_experts:
+        raise ConfigError("model.moe: Megatron checkpoints move to and from dense GPTs only")
+    if cfg.optimizer.name == OptimizerName.SGD:
+        raise ConfigError("optimizer.name=sgd: a Megatron distributed-optimizer checkpoint holds Adam's state")
+
+
+def _setup(args, bucket_size: int | None):
+    """(config, Run without data, names tree, Megatron key order) for the command's config."""
+    if bucket_size is not None and bucket_size < 1:
+        raise ConfigError(f"--bucket-size {bucket_size} must be >= 1")
+    cfg = load_config(args.config, args.set)
+    _check_megatron_gpt(cfg)
+    from jzero.runtime import start_jax
+
+    start_jax(cfg.train.host_devices)
+    from jzero.interop import gpt
+    from jzero.train.loop import setup
+
+    run = setup(cfg, with_data=False)
+    mapping = gpt.read_names_file(args.names) if args.names else gpt.megatron_names(run.cfg.model)
+    names, order = gpt.gpt_names(run.model.abstract_params(), mapping)
+    return run.cfg, run, names, order
+
+
+def _cmd_import(args) -> int:
+    cfg, run, names, _ = _setup(args, args.bucket_size)
+    import jax
+
+    from jzero.interop import megatron
+    from jzero.train.checkpoint import Checkpointer
+
+    flat_names = [n for r in jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, megatron.Renamed)) for n in r.names]
+    ck = megatron.read(args.megatron, bucket_size=args.bucket_size, names=flat_names)
+    state = megatron.to_train_state(ck, run.zero, names)
+    ckpt = Checkpointer(args.out, run, async_save=False)
+    failed = True
+    try:
+        ckpt.save(state, cfg)
+        failed = False
+    finally:
+        ckpt.close(check=not failed)
+    for note in [*ck.notes, *_hyperparameter_notes(ck, cfg)]:
+        print(f"note: {note}")
+    print(
+        f"imported Megatron iteration {ck.iteration} ({ck.format}, {len(ck.model)} params) from {ck.path} as jzero "
+        f"step {ck.iteration} in {Path(args.out).resolve()}\n"
+        f"continue it: jzero train {args.config or ''}{''.join(f' --set {s}' for s in args.set)} "
+        f"--set checkpoint.dir={args.out} --resume   (train.steps={cfg.train.steps})"
+    )
+    return 0
+
+
+def _hyperparameter_notes(ck, cfg: Config) -> list[str]:
+    """Where the Megatron run's Adam and LR schedule differ from the config's (jzero trains on with the config's)."""
+    o = cfg.optimizer
+    groups = [g for g in ck.param_groups if isinstance(g, dict)]
+    decayed = next((g for g in groups if g.get("wd_mult", 1.0) == 1.0), groups[0] if groups else {})
+    theirs = {
+        "b1": (decayed.get("betas") or (None, None))[0], "b2": (decayed.get("betas") or (None, None))[1],
+        "eps": decayed.get("eps"), "weight_decay": decayed.get("weight_decay"),
+        "lr": (ck.scheduler or {}).get("max_lr", decayed.get("max_lr")),
+    }  # fmt: skip
+    wd = o.weight_decay if o.name == OptimizerName.ADAMW else 0.0
+    ours = {"b1": o.b1, "b2": o.b2, "eps": o.eps, "weight_decay": wd, "lr": o.lr}
+    differ = [f"{k} {theirs[k]} -> {ours[k]}" for k in ours if theirs[k] is not None and float(theirs[k]) != ours[k]]
+    if differ:
+        return [
+            f"the Megatron run's optimizer differs from this config's, which jzero trains on with: {', '.join(differ)}"
+        ]
+    return []
+
+
+def hyperparams(cfg: Config):
+    """Megatron's view of the config's AdamW and LR schedule (`megatron.Hyperparams`): jzero's warmup then
+    cosine decay to 10% of `optimizer.lr` at `train.steps` (`jzero.train.loop.lr_schedule`) is Megatron's
+    `--lr-decay-style cosine` with those iterations."""
+    from jzero.interop.megatron import Hyperparams
+
+    o = cfg.optimizer
+    return Hyperparams(
+        lr=o.lr, min_lr=0.1 * o.lr, weight_decay=o.weight_decay if o.name == OptimizerName.ADAMW else 0.0,
+        b1=o.b1, b2=o.b2, eps=o.eps, warmup_iters=o.warmup_steps,
+        decay_iters=max(cfg.train.steps, o.warmup_steps + 1), decay_style="cosine",
+        global_batch=cfg.train.global_batch, grad_dtype=cfg.precision.grad_reduce_dtype.value,
+    )  # fmt: skip
+
+
+def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
+    """The Megatron-LM flags that describe the config's GPT, optimizer and schedule, to continue an export."""
+    m, o, hp = cfg.model, cfg.optimizer, hyperparams(cfg)
+    flags = [
+        f"--num-layers {m.n_layers}", f"--hidden-size {m.d_model}", f"--num-attention-heads {m.n_heads}",
+        f"--ffn-hidden-size {m.d_ff}", f"--seq-length {m.seq_len}", f"--max-position-embeddings {m.seq_len}",
+        "--attention-dropout 0 --hidden-dropout 0",
+    ]  # fmt: skip
+    if m.n_kv_heads and m.n_kv_heads != m.n_heads:
+        flags.append(f"--group-query-attention --num-query-groups {m.n_kv_heads}")
+    flags.append("--swiglu" if m.mlp == MlpKind.SWIGLU else "--openai-gelu")
+    if m.norm == NormKind.RMSNORM:
+        flags.append("--normalization RMSNorm")
+    if not m.bias:
+        flags.append("--disable-bias-linear")
+    if m.pos == PosKind.ROPE:
+        flags.append("--position-embedding-type rope")
+    if not m.tie_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    if cfg.precision.param_dtype.value == "bfloat16":
+        flags.append("--bf16")
+    flags += [
+        f"--lr {hp.lr} --min-lr {hp.min_lr} --lr-decay-style cosine --lr-warmup-iters {hp.warmup_iters}",
+        f"--lr-decay-iters {hp.decay_iters} --train-iters {hp.decay_iters} --weight-decay {hp.weight_decay}",
+        f"--adam-beta1 {hp.b1} --adam-beta2 {hp.b2} --adam-eps {hp.eps}",
+        f"--clip-grad {o.clip_grad if o.clip_grad is not None else 0.0} --global-batch-size {hp.global_batch}",
+        "--use-distributed-optimizer",
+        f"--overlap-grad-reduce --ddp-bucket-size {bucket_size}" if bucket_size else "",
+        f"--ckpt-format torch --load {load} --no-load-rng",
+    ]
+    return " ".join(f for f in flags if f)
+
+
+def _cmd_export(args) -> int:
+    cfg, run, names, order = _setup(args, args.bucket_size)
+    from jzero.interop import megatron
+    from jzero.train.checkpoint import Checkpointer
+
+    reader = Checkpointer(args.dir, run, writer=False)
+    try:
+        state, step = (reader.restore(args.step), args.step) if args.step is not None else reader.restore_latest()
+    finally:
+        reader.close()
+    folder = Path(args.out) / f"iter_{step:07d}"
+    if folder.exists():
+        raise ConfigError(
+            f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another OUT_DIR"
+        )
+    hp = hyperparams(cfg)
+    folder = megatron.save(args.out, state, run.zero, names, hyperparams=hp, bucket_size=args.bucket_size, order=order)
+    print(
+        f"exported jzero step {step} of {Path(args.dir).resolve()} as Megatron iteration {step}: {folder}\n"
+        f"continue it in Megatron-LM (pretrain_gpt.py with your data and tokenizer; the vocabulary padded to "
+        f"model.vocab_size={cfg.model.vocab_size}):\n  {megatron_flags(cfg, args.bucket_size, args.out)}"
+    )
+    return 0
+
+
+def _cmd_names(args) -> int:
+    cfg = load_config(args.config, args.set)
+    _check_megatron_gpt(cfg)
+    from jzero.interop import gpt
+
+    print(json.dumps(gpt.megatron_names(cfg.model), indent=1))
+    return 0

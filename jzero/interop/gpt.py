@@ -1,0 +1,229 @@
+"""jzero's GPT (`jzero.train.model`) under Megatron's names: `GPTModel` with its local layer spec.
+
+Megatron's state dict, in registration order (the order of its distributed optimizer's buffer), and
+the jzero param each key holds (torch's Linear stores `[out, in]` and computes `x @ W.T`):
+
+  embedding.word_embeddings.weight [V, D]        tok_emb [V, D]
+  embedding.position_embeddings.weight [T, D]    pos_emb [T, D]          (model.pos: learned)
+  decoder.layers.<i>.                            blocks/<i>/ (scan_layers: blocks/...[i])
+    input_layernorm.weight, .bias [D]            ln1/scale, ln1/bias     (rmsnorm: weight only)
+    self_attention.linear_proj.weight [D, H*K]   attn/proj/kernel [H, K, D], transposed
+    self_attention.linear_proj.bias [D]          attn/proj/bias
+    self_attention.linear_qkv.weight             attn/qkv/kernel [D, R + 2, G, K]: Megatron's rows are
+      [G * (R + 2) * K, D]                         per query group g its R query heads, then its key and
+                                                   value, K rows each: row (g * (R + 2) + s) * K + k
+    self_attention.linear_qkv.bias               none: jzero's attention has no QKV bias
+    pre_mlp_layernorm.weight, .bias [D]          ln2/scale, ln2/bias
+    mlp.linear_fc1.weight [F, D] or [2F, D]      mlp/fc1/kernel [D, F], or swiglu's [D, 2, F] (gate rows
+                                                   first, then up: Megatron's glu chunks them so)
+    mlp.linear_fc1.bias [F] or [2F]              mlp/fc1/bias [F] or [2, F]
+    mlp.linear_fc2.weight [D, F], .bias [D]      mlp/fc2/kernel [F, D] transposed, mlp/fc2/bias
+  decoder.final_layernorm.weight, .bias [D]      ln_f/scale, ln_f/bias
+  output_layer.weight [V, D]                     head [D, V] transposed  (untied embeddings only)
+
+plus `<module>._extra_state` (None) after each Linear (linear_proj, linear_qkv, linear_fc1, linear_fc2,
+output_layer), which Megatron's strict load expects. Where Megatron has a param jzero's model has
+not (the QKV bias under `--add-bias-linear`, a LayerNorm bias for a bias-free jzero model), the
+export writes zeros, the same function, and the import refuses a nonzero one. Every conversion is a
+reshape or transpose: exact both ways, for the params and the optimizer's moments alike.
+
+A names file (`read_names_file`) is a JSON object of the same mapping for Megatron models named
+otherwise: Megatron key -> jzero param path (`blocks/0/attn/qkv/kernel`, or `blocks/attn/qkv/kernel[0]`
+for a layer of a scanned stack) or null, in Megatron's registration order; `megatron_names` writes
+the default one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jzero.config import ModelConfig, NormKind, PosKind
+from jzero.interop import InteropError
+from jzero.interop.megatron import EXTRA_STATE, Renamed
+
+PyTree = Any
+
+
+def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
+    """Megatron GPTModel's (local spec) state-dict keys for `cfg`, in registration order, each to the
+    jzero param it holds, or None (module docstring)."""
+    if cfg.moe.num_experts:
+        raise InteropError("model.moe: jzero converts dense GPTs only to and from Megatron")
+    layernorm = cfg.norm == NormKind.LAYERNORM
+    out: dict[str, str | None] = {"embedding.word_embeddings.weight": "tok_emb"}
+    if cfg.pos == PosKind.LEARNED:
+        out["embedding.position_embeddings.weight"] = "pos_emb"
+
+    def norm(megatron: str, jzero: str) -> None:
+        out[f"{megatron}.weight"] = f"{jzero}/scale"
+        if layernorm:  # Megatron's LayerNorm always has a bias
+            out[f"{megatron}.bias"] = f"{jzero}/bias" if cfg.bias else None
+
+    def linear(megatron: str, jzero: str, bias: str | None | bool) -> None:
+        out[f"{megatron}.weight"] = f"{jzero}/kernel"
+        if bias is not False:
+            out[f"{megatron}.bias"] = bias
+        out[f"{megatron}.{EXTRA_STATE}"] = None
+
+    for i in range(cfg.n_layers):
+        m, j = f"decoder.layers.{i}", "blocks/" if cfg.scan_layers else f"blocks/{i}/"
+        at = f"[{i}]" if cfg.scan_layers else ""
+        start = len(out)
+        norm(f"{m}.input_layernorm", f"{j}ln1")
+        linear(f"{m}.self_attention.linear_proj", f"{j}attn/proj", f"{j}attn/proj/bias" if cfg.bias else False)
+        linear(f"{m}.self_attention.linear_qkv", f"{j}attn/qkv", None if cfg.bias else False)
+        norm(f"{m}.pre_mlp_layernorm", f"{j}ln2")
+        linear(f"{m}.mlp.linear_fc1", f"{j}mlp/fc1", f"{j}mlp/fc1/bias" if cfg.bias else False)
+        linear(f"{m}.mlp.linear_fc2", f"{j}mlp/fc2", f"{j}mlp/fc2/bias" if cfg.bias else False)
+        if at:
+            for key in list(out)[start:]:
+                out[key] = None if out[key] is None else out[key] + at
+    norm("decoder.final_layernorm", "ln_f")
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = "head"
+    out[f"output_layer.{EXTRA_STATE}"] = None
+    return out
+
+
+def read_names_file(path: str | Path) -> dict[str, str | None]:
+    """A names file (module docstring), checked to be a JSON object of strings or nulls."""
+    try:
+        names = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InteropError(f"names file {path} is unreadable: {e}") from None
+    if not isinstance(names, dict) or not all(isinstance(v, (str, type(None))) for v in names.values()):
+        raise InteropError(f"names file {path} must be a JSON object of Megatron name -> jzero param path or null")
+    return names
+
+
+# ---------------------------------------------------------------- conversions of one layer's array
+
+
+def _qkv(shape) -> tuple[Callable, Callable]:
+    d, s, g, k = shape  # [D, R + 2, G, K] -> rows (g, s, k)
+    return (lambda x: x.transpose(2, 1, 3, 0).reshape(g * s * k, d),
+            lambda w: w.reshape(g, s, k, d).transpose(3, 1, 0, 2))  # fmt: skip
+
+
+def _proj(shape) -> tuple[Callable, Callable]:
+    h, k, d = shape  # [H, K, D] -> [D, H * K]
+    return lambda x: x.reshape(h * k, d).T, lambda w: w.T.reshape(h, k, d)
+
+
+def _fc1(shape) -> tuple[Callable, Callable]:
+    if len(shape) == 2:  # [D, F] -> [F, D]
+        return lambda x: x.T, lambda w: w.T
+    d, two, f = shape  # swiglu [D, 2, F] -> [2F, D]: gate rows, then up rows
+    return lambda x: x.transpose(1, 2, 0).reshape(two * f, d), lambda w: w.reshape(two, f, d).transpose(2, 0, 1)
+
+
+def _flat(shape) -> tuple[Callable, Callable]:
+    return lambda x: x.reshape(-1), lambda w: w.reshape(shape)
+
+
+def _transpose(shape) -> tuple[Callable, Callable]:
+    return lambda x: x.T, lambda w: w.T
+
+
+def _same(shape) -> tuple[Callable, Callable]:
+    return lambda x: x, lambda w: w
+
+
+_ROLES = (  # jzero path suffix -> conversion of one layer's array (by its jzero shape)
+    (r"attn/qkv/kernel$", _qkv),
+    (r"attn/proj/kernel$", _proj),
+    (r"mlp/fc1/kernel$", _fc1),
+    (r"mlp/fc1/bias$", _flat),
+    (r"mlp/fc2/kernel$", _transpose),
+    (r"(^|/)head$", _transpose),
+)
+
+
+def _role(path: str) -> Callable:
+    return next((role for pattern, role in _ROLES if re.search(pattern, path)), _same)
+
+
+def _zeros_like_bias(weight: np.ndarray) -> np.ndarray:
+    """A zero bias for a Megatron weight: one per output row ([out, in]), or per element (1-D)."""
+    return np.zeros(weight.shape[:1], weight.dtype)
+
+
+def _path_name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def gpt_names(abstract_params: PyTree, names: dict[str, str | None]) -> tuple[PyTree, list[str]]:
+    """(`names` for `jzero.interop.megatron.load/save`: a tree of `Renamed` shaped like the params,
+    the Megatron state-dict keys in registration order) for jzero's GPT params `abstract_params` and a
+    mapping Megatron key -> jzero path or None (`megatron_names`, `read_names_file`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    shapes = {_path_name(p): tuple(x.shape) for p, x in leaves}
+    mapped: dict[str, dict[int | None, str]] = {}  # jzero path -> {layer index or None: Megatron key}
+    for key, target in names.items():
+        if target is None:
+            continue
+        m = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", target)
+        path, layer = m[1], None if m[2] is None else int(m[2])
+        if path not in shapes:
+            raise InteropError(f"names: {key} -> {target}, which is not a param of the model ({len(shapes)} params)")
+        if layer in mapped.setdefault(path, {}):
+            raise InteropError(f"names: {target} is given twice ({mapped[path][layer]}, {key})")
+        mapped[path][layer] = key
+    by_key = {k: (path, layer) for path, layers in mapped.items() for layer, k in layers.items()}
+    extras: dict[str, list[str]] = {}  # Megatron key of a weight -> its zero params (same module)
+    for key, target in names.items():
+        if target is None and not key.endswith(EXTRA_STATE):
+            module = key.rsplit(".", 1)[0]
+            owner = next((k for k in by_key if k.rsplit(".", 1)[0] == module), None)
+            if owner is None:
+                raise InteropError(f"names: {key} maps to nothing and its module has no param jzero's model has")
+            extras.setdefault(owner, []).append(key)
+
+    def renamed(path: str) -> Renamed:
+        layers = mapped.get(path)
+        if layers is None:
+            raise InteropError(f"names: the model's param {path} has no Megatron name")
+        shape = shapes[path]
+        stacked = None not in layers
+        if stacked and sorted(layers) != list(range(shape[0])):
+            raise InteropError(f"names: {path} [{shape[0]}, ...] is named for layers {sorted(layers)}")
+        if not stacked and len(layers) > 1:
+            raise InteropError(f"names: {path} is named both whole and per layer")
+        order = sorted(layers) if stacked else [None]
+        to, back = _role(path)(shape[1:] if stacked else shape)
+        keys = tuple(k for i in order for k in (layers[i], *extras.get(layers[i], ())))
+
+        def to_megatron(x):
+            out = []
+            for i in order:
+                w = to(x if i is None else x[i])
+                out += [w, *(_zeros_like_bias(w) for _ in extras.get(layers[i], ()))]
+            return tuple(out)
+
+        def from_megatron(arrays):
+            got = dict(zip(keys, arrays))
+            for i in order:
+                for extra in extras.get(layers[i], ()):
+                    if np.any(got[extra] != 0):
+                        raise InteropError(
+                            f"Megatron's {extra} is not zero, and jzero's model has no such param (a QKV bias: "
+                            "train Megatron with --disable-bias-linear; a LayerNorm bias: jzero's model.bias)"
+                        )
+            parts = [back(got[layers[i]]) for i in order]
+            return parts[0] if not stacked else np.stack(parts)
+
+        return Renamed(keys, to_megatron, from_megatron)
+
+    tree = jax.tree_util.tree_map_with_path(lambda p, _: renamed(_path_name(p)), abstract_params)
+    unknown = sorted(set(by_key) - {k for r in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Renamed))
+                                    for k in r.names})  # fmt: skip
+    if unknown:
+        raise InteropError(f"names: {unknown[0]} maps to no param of the model")
+    return tree, list(names)

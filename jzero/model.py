@@ -1,0 +1,155 @@
+"""The model protocol: what `jzero train`, `jzero hlo` and `jzero memory` ask of a model, and how
+the config names one.
+
+`model.impl: "module:Class"` (default `jzero.train.model:GPTModel`, jzero's GPT) names the class;
+`make_model` imports it and builds `Class(cfg.model, param_dtype=..., seed=train.seed, dp_axes=...)`.
+The class reads the `model:` keys it needs (a model of one's own may ignore the GPT's: `n_heads`,
+`mlp`, ...) and raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 2 from
+the CLI). `dp_axes` are the mesh axes each rank's loss runs manual over (`jzero.mesh.BATCH_AXES`):
+a model that needs statistics over the whole data-parallel batch (a MoE's global load balance)
+sums them over these; a model that needs none ignores it.
+
+Params are any pytree of arrays (jzero's GPT: a nested dict); every `...(params)` method below
+takes the params or their `ShapeDtypeStruct`s (`abstract_params()`) and returns a tree of the same
+structure. The harness feeds token batches: `batch` is int32 `[B, seq_len + 1]` (`model.seq_len`;
+inputs `batch[:, :-1]`, targets `batch[:, 1:]`), B the rows of one data-parallel rank in one
+micro-batch on either ZeRO path (each rank's loss is its own call).
+
+Beside the protocol's methods, the inspect tools ask a model for estimates that only it can give;
+each is optional, and the function of the same name here gives its default when a model lacks it:
+
+    token_exchange(tokens) -> TokenExchange | None   what expert parallelism moves (None: nothing)
+    attention_elements(rows, tp) -> int | None       fewest elements of one attention-score buffer
+                                                     (None: no buffer is counted as attention)
+    remat -> bool                                    each unit recomputes its forward in backward
+                                                     (False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from jzero.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+
+    from jzero.config import Config
+
+PyTree = Any
+KEY = "model.impl"
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A language model the harness trains and the inspect tools compile (module docstring for `batch`)."""
+
+    def init(self) -> PyTree:
+        """The params, from the model's seed: global shapes, in `param_dtype` (jit with out_shardings
+        shards them at birth)."""
+
+    def abstract_params(self) -> PyTree:
+        """`init()`'s `ShapeDtypeStruct`s (`jax.eval_shape(self.init)`): nothing is allocated."""
+
+    def loss_and_metrics(
+        self, params: PyTree, batch: jax.Array, tp_axis: str | None = None, ep_axis: str | None = None
+    ) -> tuple[jax.Array, dict]:
+        """(mean loss over the batch's tokens, {name: scalar} metrics, {} for none).
+
+        On the spec path `params` are global arrays (XLA splits them) and `tp_axis` is None; on the
+        flat path they are tp-local shards inside shard_map and `tp_axis` names the axis to sum
+        row-parallel outputs over (given when some tp spec splits a param). On both paths, when some
+        param `is_expert`, each rank holds its E/ep experts and `ep_axis` names the axis tokens
+        travel over to them (all_to_all)."""
+
+    def tp_specs(self, params: PyTree) -> PyTree:
+        """Per param its model-parallel `PartitionSpec`: "tp" on the dims Megatron's tensor parallelism
+        splits, "ep" on an expert param's expert dim, `P()` for a replicated param."""
+
+    def units(self, params: PyTree) -> PyTree:
+        """Per param its FSDP unit (`jzero.zero.build.build_zero`'s `units`): None outside any unit,
+        else its leading stacked-layer dims (0 or 1); the loss must run each unit through
+        `jzero.zero.common.units.unit`. All None: no units (ZeRO-3 gathers every param up front)."""
+
+    def is_expert(self, params: PyTree) -> PyTree:
+        """Per param whether it is an expert weight (data-parallel over the expert-DP domain)."""
+
+    def layer_ndims(self, params: PyTree) -> PyTree:
+        """Per param its dims per layer and expert (stacked [L] and [E] dims not counted): Megatron's
+        param groups leave 1-D params (biases, norm scales) out of weight decay."""
+
+
+REQUIRED = tuple(name for name in vars(Model) if not name.startswith("_"))  # the protocol's methods
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenExchange:
+    """What a model's expert parallelism sends over ep per micro-batch of one rank.
+
+    Attributes:
+      slot_bytes: the operand of one all-to-all, per rank (jzero's GPT: its `[E, C, D]` expert slots
+        in param_dtype); one all-to-all moves (ep-1)/ep of it.
+      per_microbatch: all-to-alls per micro-batch (jzero's GPT: 4 per MoE block, 2 forward and
+        their transposes backward, 6 with remat).
+      dropless: the exchange is ragged (jzero's GPT without capacity: its routed copies `[k N, D]`);
+        `slot_bytes` is then their bytes, what uniform routing moves.
+    """
+
+    slot_bytes: int
+    per_microbatch: int
+    dropless: bool = False  # a ragged all-to-all of the routed copies: what it moves depends on the routing
+
+
+def token_exchange(model: Model, tokens: int) -> TokenExchange | None:
+    """`model.token_exchange(tokens)` for `tokens` routed by one rank per micro-batch; None (no
+    exchange) for a model without the method."""
+    method = getattr(model, "token_exchange", None)
+    return None if method is None else method(tokens)
+
+
+def attention_elements(model: Model, rows: int, tp: int) -> int | None:
+    """`model.attention_elements(rows, tp)`: the fewest elements of one attention-score buffer of `rows`
+    sequences on one tp rank (jzero's GPT: rows x heads/tp x T x T); None for a model without it."""
+    method = getattr(model, "attention_elements", None)
+    return None if method is None else method(rows, tp)
+
+
+def remat(model: Model) -> bool:
+    """`model.remat`: whether each unit's forward runs again for its backward (ZeRO-3 then gathers
+    the unit's params again); False for a model without it."""
+    return bool(getattr(model, "remat", False))
+
+
+def model_class(path: str) -> type:
+    """The class `path` ("package.module:Class") names; ConfigError naming `model.impl` when it
+    cannot be imported, is not there, or lacks a method of the protocol."""
+    module_name, sep, name = path.partition(":")
+    if not sep or not module_name or not name:
+        raise ConfigError(f"{KEY}={path!r} must look like package.module:Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # ModuleNotFoundError too: the module, or one it imports
+        raise ConfigError(f"{KEY}={path!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    cls = module
+    for part in name.split("."):
+        cls = getattr(cls, part, None)
+        if cls is None:
+            raise ConfigError(f"{KEY}={path!r}: module {module_name} has no {name}")
+    missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"{KEY}={path!r}: {name} has no {', '.join(missing)} (the model protocol, jzero/model.py)")
+    return cls
+
+
+def make_model(cfg: Config) -> Model:
+    """The model `cfg.model.impl` names, built as `Class(cfg.model, param_dtype=..., seed=cfg.train.seed,
+    dp_axes=jzero.mesh.BATCH_AXES)`."""
+    import jax.numpy as jnp
+
+    from jzero.mesh import BATCH_AXES
+
+    cls = model_class(cfg.model.impl)
+    dtype = jnp.dtype(cfg.precision.param_dtype.value)
+    return cls(cfg.model, param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)

@@ -1,0 +1,67 @@
+"""The config's `optimizer:` and `precision:` sections as what `build_zero` takes: the learning-rate
+schedule, the element-wise optax chain, Megatron's param groups and fp16's dynamic loss scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from jzero.config import Config, DType, MomentsDType, OptimizerName, loss_scale
+from jzero.model import Model
+from jzero.zero import groups
+from jzero.zero.common.moments import store_state_in
+from jzero.zero.config import DynamicLossScale
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to `optimizer.lr`, then cosine decay to 10% of it at `train.steps`."""
+    o = cfg.optimizer
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=o.warmup_steps,
+        decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
+        end_value=0.1 * o.lr,
+    )
+
+
+def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The element-wise optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
+
+    optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
+    weight decay reads each param's `wd_mult`, a last step its `lr_mult`; with
+    `optimizer.moments_dtype: bfloat16` its state is stored in bf16 (`zero.moments`).
+    """
+    o, lr = cfg.optimizer, lr_schedule(cfg)
+    if o.name == OptimizerName.ADAMW:
+        chain = groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        if o.name == OptimizerName.SGD:
+            direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
+        else:
+            direction = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+        chain = optax.chain(direction, optax.scale_by_learning_rate(lr), groups.scale_by_lr_mult())
+    if o.moments_dtype == MomentsDType.FLOAT32:
+        return chain
+    return store_state_in(chain, jnp.dtype(o.moments_dtype.value))
+
+
+def loss_scaling(cfg: Config) -> DynamicLossScale | None:
+    """Megatron's dynamic loss scaling for float16 params (`precision.*loss_scale*`), else None."""
+    return loss_scale(cfg.precision) if cfg.precision.param_dtype == DType.FLOAT16 else None
+
+
+def param_groups(cfg: Config, model: Model, abstract_params) -> Any:
+    """Megatron's param groups for the model: no weight decay for biases and 1-D params (unless
+    `optimizer.weight_decay_1d`), then `optimizer.param_groups`; None if they change nothing."""
+    o = cfg.optimizer
+    has_decay = o.name == OptimizerName.ADAMW
+    resolved = groups.param_groups(
+        abstract_params,
+        weight_decay_1d=o.weight_decay_1d or not has_decay,
+        rules=o.param_groups,
+        ndims=model.layer_ndims(abstract_params),
+    )
+    return None if groups.is_trivial(resolved) else resolved

@@ -1,0 +1,107 @@
+"""A run from a config: the model `model.impl` names, its ZeRO optimizer on the mesh, and `Run`,
+which the harness (`jzero.train.loop`) trains and the inspect tools (`jzero.inspect.compile`)
+compile. Nothing here reads data: the harness attaches its datasets to the `Run` it gets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jzero.config import Config, resolve_mesh
+from jzero.mesh import make_mesh
+from jzero.model import Model, make_model
+from jzero.optim import inner_optimizer, loss_scaling, param_groups
+from jzero.zero import Zero, build_zero
+from jzero.zero.common.state import TrainState
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one training run is built from; see `build_run` (and `jzero.train.loop.setup`)."""
+
+    cfg: Config  # mesh.dp resolved
+    model: Model
+    zero: Zero  # plan, shardings, init, step, grads, evaluate: built once by jzero.zero.build_zero
+    dataset: Any = None  # the training data (`jzero.train.data`), None for compile-only tools
+    val_dataset: Any = None  # validation data (`data.val_path` / `data.val_fraction`), None if none
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.zero.mesh
+
+    def init_state(self) -> TrainState:
+        return self.zero.init_state(self.model.init)
+
+    def device_batch(self, step: int, dataset: Any = None) -> jax.Array:
+        """The global batch of `step` of `dataset` (default: the training data), int32 `[B, seq_len + 1]`
+        with B split over the dense DP domain (`batch_sharding`).
+
+        Each process reads from the dataset only the rows its own devices hold, so no process
+        materialises the whole global batch; a row is a pure function of (seed, step, row), so
+        every process's rows belong to the same global batch.
+        """
+        dataset = self.dataset if dataset is None else dataset
+        shape = dataset.shape
+        rows: dict[tuple[int, int], np.ndarray] = {}  # tp replicas hold the same rows: read them once
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            start, stop, _ = index[0].indices(shape[0])
+            if (start, stop) not in rows:
+                rows[start, stop] = dataset.rows(step, start, stop)
+            return rows[start, stop][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
+
+    def evaluate(self, params) -> dict[str, float]:
+        """The validation loss (and the loss's metrics): the mean over `train.eval_batches` global batches
+        of the validation data, batch i its "step" i, so every evaluation reads the same rows.
+
+        Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings.
+        """
+        n = self.cfg.train.eval_batches
+        total = None
+        for i in range(n):
+            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset))
+            total = m if total is None else jax.tree.map(jnp.add, total, m)
+        return {k: float(v) / n for k, v in jax.device_get(total).items()}
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the loop evaluates after `step` steps: every `train.eval_every` and at the last."""
+        every, last = self.cfg.train.eval_every, self.cfg.train.steps
+        return self.val_dataset is not None and every > 0 and (step % every == 0 or step == last)
+
+
+def build_run(cfg: Config, devices: list | None = None) -> Run:
+    """Resolves the mesh, model and ZeRO run for `cfg` (raises ConfigError on misfit), without data.
+
+    This is where a config meets its devices (default: all of JAX's devices, every process's),
+    so `mesh.dp=-1` is filled in here, once; `Run.cfg` is the resolved config. The model is the
+    class `model.impl` names (`jzero.model.make_model`), its loss called with (params, batch).
+    """
+    devices = jax.devices() if devices is None else devices
+    cfg = resolve_mesh(cfg, len(devices))
+    mesh = make_mesh(cfg.mesh, devices)
+    model = make_model(cfg)
+    abstract = model.abstract_params()
+    zero = build_zero(
+        model.loss_and_metrics,
+        inner_optimizer(cfg),
+        mesh,
+        abstract,
+        model.tp_specs(abstract),
+        cfg.zero,
+        is_expert=model.is_expert(abstract),
+        units=model.units(abstract),
+        groups=param_groups(cfg, model, abstract),
+        clip_grad=cfg.optimizer.clip_grad,
+        microbatches=cfg.train.microbatches,
+        grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
+        has_aux=True,
+        loss_scale=loss_scaling(cfg),
+    )
+    return Run(cfg, model, zero)

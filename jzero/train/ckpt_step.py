@@ -1,0 +1,114 @@
+"""One saved step: its two orbax items, how they are read, and the checks a restore makes against them.
+
+    step_00000006/
+      state/  the arrays, as nested dicts with string keys (`to_nested`); an array's name is its
+              path joined by "/" (`names`): params/blocks/0/mlp/fc1/kernel, opt_state/0/mu/..., step
+      meta/   JSON: jzero's format, the writer's config and run id, the data position, and per array
+              name its shape, dtype and fingerprint (`jzero.train.integrity`)
+
+A step restores into a run only if every array the run holds is there with its shape and dtype
+(`check_fits`); a step whose files cannot be read, or whose arrays differ from their fingerprints,
+is a `DamagedStep`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jzero.errors import CheckpointError, one_line
+from jzero.train import ckpt_dir
+
+ITEMS = ("state", "meta")
+
+
+class DamagedStep(CheckpointError):
+    """A saved step whose files are unreadable or whose arrays differ from their fingerprints."""
+
+
+def _key(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    raise TypeError(f"unsupported pytree key {k!r}")
+
+
+def to_nested(tree) -> dict:
+    """A pytree as nested dicts with string keys (orbax- and JSON-friendly)."""
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(_key(k), {})
+        node[_key(path[-1])] = leaf
+    return out
+
+
+def from_nested(nested: dict, like) -> Any:
+    """Inverse of `to_nested`, into the structure of `like`."""
+
+    def get(path):
+        node = nested
+        for k in path:
+            node = node[_key(k)]
+        return node
+
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree.unflatten(treedef, [get(p) for p, _ in paths])
+
+
+def names(nested: dict, prefix: str = "") -> dict[str, Any]:
+    """The leaves of `nested` by name: their keys joined by "/"."""
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out |= names(v, f"{prefix}{k}/")
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def reader(directory: str | Path) -> ocp.CheckpointManager:
+    """A read-only orbax manager of `directory` that sees jzero's steps only (`ckpt_dir.StepNames`)."""
+    return ocp.CheckpointManager(
+        Path(directory).resolve(),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False, step_name_format=ckpt_dir.StepNames()),
+        item_names=ITEMS,
+    )
+
+
+def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager | None = None) -> dict:
+    manager = manager or reader(directory)
+    try:
+        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:
+        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({one_line(e)})") from None
+
+
+def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
+    """Raises CheckpointError unless the step's arrays (`meta`) have the shapes and dtypes of `target`'s
+    (nested ShapeDtypeStructs), every one of them there; the step count may differ."""
+    want = {n: (list(x.shape), str(x.dtype)) for n, x in names(target).items()}
+    have = {n: (a["shape"], a["dtype"]) for n, a in meta["arrays"].items()}
+    bad = sorted(
+        f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model {want[n][0] if n in want else 'absent'}"
+        for n in set(want) | set(have)
+        if n != "step" and (n not in want or n not in have or want[n][0] != have[n][0])
+    )
+    if bad:
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} does not fit the model ({len(bad)} arrays): " + "; ".join(bad[:20])
+        )
+    dtypes = {n for n in set(want) & set(have) if want[n][1] != have[n][1]}
+    if dtypes:
+        raise CheckpointError(
+            f"checkpoint step {step}: dtypes differ for {sorted(dtypes)[:5]} (precision.param_dtype?)"
+        )
+
+
+def saved_fingerprints(meta: dict) -> dict[str, int]:
+    """Per array name, the fingerprint saved with it."""
+    return {n: a["fingerprint"] for n, a in meta["arrays"].items()}

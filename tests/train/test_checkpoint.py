@@ -1,0 +1,341 @@
+"""orbax checkpoints on disk: exact resume, resharding across mesh/strategy/path, ownership,
+integrity, and runs that fail or are stopped while saving (real files, real processes)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jzero.cli import main
+from jzero.train.ckpt_step import read_meta
+
+TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
+        "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--quiet"]
+STEPS = 6
+
+
+def sets(**kv):
+    return [a for k, v in kv.items() for a in ("--set", f"{k.replace('__', '.')}={v}")]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(out, *extra):
+    code = main(["train", "--out", str(out), *TINY, *sets(train__steps=STEPS), *extra])
+    assert code == 0
+    return metrics(out)
+
+
+def cli(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def step_dir(ck: Path, step: int) -> Path:
+    return ck / f"step_{step:08d}"
+
+
+def saved_steps(ck: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ck.glob("step_" + "[0-9]" * 8) if (p / "commit_success.txt").exists())
+
+
+def one_line(err: str) -> str:
+    """The CLI's stderr, asserted to be exactly one `jzero:` line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jzero: "), err[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """ZeRO-2 flat dp=8, 6 steps, checkpoints after steps 3 and 6."""
+    root = tmp_path_factory.mktemp("ckpt")
+    rows = train(root / "out", *sets(checkpoint__dir=root / "ck", checkpoint__every=3, zero__path="flat"))
+    assert saved_steps(root / "ck") == [3, 6]
+    return root, rows
+
+
+def copy_without_last(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    shutil.rmtree(step_dir(dst, STEPS))
+    return dst
+
+
+@pytest.mark.slow
+def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
+    root, rows = base
+    ck = copy_without_last(root / "ck", tmp_path / "ck")
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)  # the same --out: its rows up to step 3 stay, 4..6 are rewritten
+    resumed = train(out, *sets(zero__path="flat"), "--resume", str(ck))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed, rows):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    assert saved_steps(ck) == [3, 6]  # the resumed run kept checkpointing there
+
+
+@pytest.mark.slow
+def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
+    """optim_grads flat dp=8 -> optim spec dp=4 tp=2 -> no_shard dp=1 (one device, a new process)."""
+    root, rows = base
+    ck = copy_without_last(root / "ck", tmp_path / "ck")
+    resumed = train(tmp_path / "a", *sets(zero__strategy="optim", mesh__dp=4, mesh__tp=2), "--resume", str(ck))
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in rows[3:]], rtol=1e-5)
+    # The spec run's step-6 checkpoint now restores on a single device as DDP.
+    proc = cli("train", "--out", str(tmp_path / "b"), *TINY, *sets(train__steps=8, train__host_devices=1, mesh__dp=1,
+               zero__strategy="no_shard"), "--resume", str(ck))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    more = metrics(tmp_path / "b")
+    assert [r["step"] for r in more] == [7, 8]
+    uninterrupted = train(tmp_path / "c", *sets(train__steps=8))
+    np.testing.assert_allclose([r["loss"] for r in more], [r["loss"] for r in uninterrupted[6:]], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_offloaded_state_restores_into_host_memory_and_saves_what_no_offload_saves(base, tmp_path):
+    """The run resumed from step 3 with all its optimizer state in host memory (zero.offload_fraction=1;
+    jit refuses state arrays in another memory than its shardings') trains bitwise as the run without
+    offload, and its step-6 checkpoint holds the same arrays: checkpoints move between fractions."""
+    root, rows = base
+    ck = copy_without_last(root / "ck", tmp_path / "ck")
+    resumed = train(tmp_path / "out", *sets(zero__path="flat", zero__offload_fraction=1.0), "--resume", str(ck))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in rows[3:]]
+    offloaded, plain = read_meta(ck, STEPS)["arrays"], read_meta(root / "ck", STEPS)["arrays"]
+    assert offloaded == plain
+
+
+def test_shape_mismatch_lists_the_arrays(base, capsys, tmp_path):
+    root, _ = base
+    args = [*TINY, *sets(train__steps=STEPS, model__d_ff=128), "--resume", str(root / "ck")]
+    code = main(["train", "--out", str(tmp_path), *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "does not fit the model" in err and "blocks/0/mlp/fc1/kernel: checkpoint [32, 64] vs model [32, 128]" in err
+
+
+# ---------------------------------------------------------------- ownership
+
+
+@pytest.mark.parametrize("folders", [["1", "2", "3"], ["2024"]])
+def test_a_directory_jzero_did_not_create_is_never_written(folders, capsys, tmp_path):
+    """A user's number-named folders are not steps: nothing is deleted, skipped or written there."""
+    ck = tmp_path / "mine"
+    for name in folders:
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes.txt").write_text(name)
+    before = sorted(str(p.relative_to(ck)) for p in ck.rglob("*"))
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck, checkpoint__keep=2)]
+    assert main(argv) == 2
+    assert "not empty" in one_line(capsys.readouterr().err)
+    assert sorted(str(p.relative_to(ck)) for p in ck.rglob("*")) == before
+    assert main(argv + ["--resume"]) == 2
+    assert "not a jzero checkpoint directory" in one_line(capsys.readouterr().err)
+
+
+def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_path):
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    (ck / "step_00000009").mkdir()  # a folder with a step's name that jzero did not write
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck)]
+    assert main(argv) == 2
+    assert "holds steps 3, 6 of an earlier run" in one_line(capsys.readouterr().err)
+    assert saved_steps(ck) == [3, 6]
+    (ck / "step_00000008").mkdir()  # ... and one where the run would save next: not replaced
+    (ck / "step_00000008" / "notes.txt").write_text("mine")
+    assert main(argv + ["--resume"]) == 2
+    assert "cannot save checkpoint step 8" in one_line(capsys.readouterr().err)
+    assert (ck / "step_00000008" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(ck / "step_00000008")
+    assert main(argv + ["--resume", "--set", "checkpoint.keep=1"]) == 0  # continues it; keep=1 deletes only its own
+    assert saved_steps(ck) == [8] and (ck / "step_00000009").is_dir()
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from jzero.train.ckpt_dir import claim; "
+         "held = claim(sys.argv[1], 'test', False); print('claimed', flush=True); time.sleep(120)", str(ck)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck)]
+        assert main(argv) == 2
+        assert f"in use by another jzero run (pid {holder.pid}" in one_line(capsys.readouterr().err)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # a dead holder's lock is gone with it
+
+
+def test_checkpoint_dir_that_is_a_file_fails_before_training(capsys, tmp_path):
+    (tmp_path / "ck").write_text("mine")
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=tmp_path / "ck")]
+    assert main(argv) == 2
+    assert "is a file, not a directory" in one_line(capsys.readouterr().err)
+    assert (tmp_path / "ck").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- integrity
+
+
+def test_overwritten_arrays_are_caught_by_resume_and_verify(base, capsys, tmp_path):
+    """Step 6's files replaced by step 3's: every file is valid, the values are not step 6's."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    shutil.rmtree(step_dir(ck, STEPS) / "state")
+    shutil.copytree(step_dir(ck, 3) / "state", step_dir(ck, STEPS) / "state")
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, zero__path="flat"), "--resume", str(ck)]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"checkpoint step {STEPS} in {ck} is damaged" in line and "differ from the fingerprints" in line
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    captured = capsys.readouterr()
+    assert "step 3: verified" in captured.out and f"step {STEPS}: DAMAGED" in captured.out
+    assert f"damaged checkpoint steps in {ck}: {STEPS}" in one_line(captured.err)
+
+
+def test_unreadable_metadata_is_a_damaged_step_not_a_missing_one(base, capsys, tmp_path):
+    """Damaged meta neither hides a step (resuming silently from an older one) nor, once every
+    step is moved aside, lets an always---resume job script start again from step 0."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    for step in (3, STEPS):
+        meta = step_dir(ck, step) / "meta" / "metadata"
+        meta.write_text(meta.read_text()[:20])
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    assert f"step {STEPS}: DAMAGED" in capsys.readouterr().out
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume"]
+    assert main(argv) == 2
+    assert f"checkpoint step {STEPS} in {ck}: metadata unreadable" in one_line(capsys.readouterr().err)
+    assert main(argv + ["--resume-fallback"]) == 2
+    assert "no undamaged checkpoint left" in capsys.readouterr().err
+    assert main(argv) == 2
+    assert "no complete checkpoint" in one_line(capsys.readouterr().err)
+    assert len(list((ck / "damaged").iterdir())) == 2 and not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_truncated_step_falls_back_quietly_moves_aside_and_is_saved_again(base, capsys, tmp_path):
+    root, rows = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    for f in (step_dir(ck, STEPS) / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":  # the array data files
+            f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 2
+    assert f"step {STEPS}: DAMAGED: unreadable" in capsys.readouterr().out
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, zero__path="flat", checkpoint__every=3),
+            "--resume", str(ck)]
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"checkpoint step {STEPS}" in line and "unreadable" in line and "--resume-fallback" in line
+    assert main(argv + ["--resume-fallback"]) == 0
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert f"checkpoint step {STEPS}" in line and "moved it to" in line and "Traceback" not in captured.err
+    assert f"resuming from checkpoint step 3 in {ck}" in captured.out
+    assert [r["step"] for r in metrics(tmp_path / "o")] == [4, 5, 6, 7, 8]
+    assert [p.name.split("-")[0] for p in (ck / "damaged").iterdir()] == [f"step_{STEPS:08d}"]
+    assert saved_steps(ck) == [3, 6, 8]  # step 6 saved again, this time whole
+    assert main(["ckpt", "info", "--verify", str(ck)]) == 0
+
+
+# ---------------------------------------------------------------- failing and stopped runs
+
+
+def _without_compilation_cache() -> dict:
+    """The test session's environment without its JAX compilation cache (conftest.py): under a write
+    limit JAX would warn that it cannot write the cache, a line of JAX's beside jzero's one."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+@pytest.mark.slow
+def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
+    """A write limit (as from a full disk) makes the first save fail: exit 2, one line, no hang."""
+    args = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=50, checkpoint__dir=tmp_path / "ck",
+            checkpoint__every=2)]
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (30000, 30000)); "
+    proc = subprocess.run(
+        [sys.executable, "-c", limit + "import sys; from jzero.cli import console; sys.argv[0] = 'jzero'; console()",
+         *args], capture_output=True, text=True, env=_without_compilation_cache(), timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = [line for line in proc.stderr.splitlines() if "cuda" not in line and "absl::InitializeLog" not in line]
+    assert len(err) == 1 and err[0].startswith("jzero: error: saving checkpoint step 2 to "), proc.stderr[-3000:]
+    assert saved_steps(tmp_path / "ck") == []
+    assert len(metrics(tmp_path / "o")) < 50
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_path):
+    """The requeue pattern: a job script that always passes --resume starts fresh the first time."""
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    args = ["train", "--out", str(out), *TINY, *sets(checkpoint__dir=ck, checkpoint__every=1000), "--resume"]
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args, *sets(train__steps=100000)],
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert f"no checkpoint in checkpoint.dir={ck} yet: starting from step 0" in stdout
+    last = metrics(out)[-1]["step"]
+    assert f"jzero: stopped: SIGTERM: stopped after step {last}; checkpoint step {last} is in" in err
+    assert saved_steps(ck) == [last]
+    proc = cli(*args, *sets(train__steps=last + 1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in metrics(out)] == list(range(1, last + 2))
+
+
+@pytest.mark.slow
+def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    ck = tmp_path / "ck"
+    args = ["train", "--out", str(tmp_path / "o"), *TINY]
+    args += sets(train__steps=100000, checkpoint__dir=ck, checkpoint__every=1)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jzero.cli", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(saved_steps(ck)) < 3:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # saving every step: the kill lands in or between saves
+        proc.wait()
+    committed = saved_steps(ck)
+    assert committed, "no checkpoint was committed before the kill"
+    proc = cli("train", "--out", str(tmp_path / "r"), *TINY, *sets(train__steps=committed[-1] + 1, checkpoint__dir=ck),
+               "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in metrics(tmp_path / "r")] == [committed[-1] + 1]
+
+
+def test_ckpt_info(base, capsys):
+    root, _ = base
+    assert main(["ckpt", "info", str(root / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "steps 3, 6" in out and "strategy=optim_grads path=flat" in out and "dp=8" in out
+    assert "params/blocks/0/mlp/fc1/kernel" in out and "(32, 64)" in out
+    assert main(["ckpt", "info", "/no/such/dir"]) == 2

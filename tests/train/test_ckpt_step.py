@@ -1,0 +1,48 @@
+"""jzero.train.ckpt_step: a saved step's arrays as nested dicts named by path, and the fit check a restore
+makes against them (no files: the items as the Checkpointer hands them to orbax)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from jzero.errors import CheckpointError
+from jzero.train.ckpt_step import check_fits, from_nested, names, to_nested
+
+
+def state():
+    params = {"blocks": [{"w": jnp.ones((4, 2))}, {"w": jnp.zeros((4, 2))}], "bias": jnp.arange(3.0)}
+    return {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": jnp.int32(7)}
+
+
+def test_nested_dicts_round_trip_and_name_every_array_by_its_path():
+    tree = state()
+    nested = to_nested(tree)
+    assert sorted(names(nested)) == sorted(
+        ["params/bias", "params/blocks/0/w", "params/blocks/1/w", "step", "opt_state/0/count"]
+        + [f"opt_state/0/{m}/{p}" for m in ("mu", "nu") for p in ("bias", "blocks/0/w", "blocks/1/w")]
+    )
+    back = from_nested(nested, tree)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        assert a is b
+
+
+def meta_of(tree) -> dict:
+    return {"arrays": {n: {"shape": list(x.shape), "dtype": str(x.dtype)} for n, x in names(to_nested(tree)).items()}}
+
+
+def test_a_step_fits_a_model_of_its_shapes_and_dtypes_whatever_its_step():
+    target = to_nested(jax.eval_shape(state))
+    check_fits(6, "ck", meta_of(state()), target)
+    wider = state()
+    wider["params"]["blocks"][1]["w"] = jnp.zeros((4, 3))
+    with pytest.raises(CheckpointError) as e:
+        check_fits(6, "ck", meta_of(wider), target)
+    assert str(e.value) == (
+        "checkpoint step 6 in ck does not fit the model (1 arrays): "
+        "params/blocks/1/w: checkpoint [4, 3] vs model [4, 2]"
+    )
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state())
+    with pytest.raises(CheckpointError, match=r"^checkpoint step 6: dtypes differ for \['opt_state/0/mu/bias'"):
+        check_fits(6, "ck", meta_of(half), target)

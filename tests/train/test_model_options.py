@@ -1,0 +1,124 @@
+"""The model's LLaMA options (swiglu, rmsnorm, no bias, GQA, rope) and its scan/remat forms."""
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_matches_reference, tiny_config
+from jzero.config import ConfigError, ModelConfig, PosKind, load_config
+from jzero.train.layers import Attention
+from jzero.train.model import GPTModel
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
+
+
+@pytest.mark.slow
+def test_scan_and_remat_are_the_same_model():
+    """Stacked params are the loop's params; loss and grads agree to fp32 rounding (XLA fuses
+    the scanned / rematerialised forward differently, so sums re-associate)."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=8)
+    tokens = np.arange(18).reshape(2, 9) * 7 % 64
+
+    def run(**kw):
+        model = GPTModel(dataclasses.replace(cfg, **kw))
+        params = jax.jit(model.init)()
+        loss, grads = jax.jit(jax.value_and_grad(model.loss))(params, tokens)
+        return model, *jax.device_get((params, loss, grads))
+
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    _, params, loss, grads = run()
+    _, _, loss_remat, grads_remat = run(remat=True)
+    close(loss_remat, loss)
+    jax.tree.map(close, grads_remat, grads)
+
+    model, stacked, loss_scan, grads_scan = run(scan_layers=True, remat=True)
+    close(loss_scan, loss)
+    specs = model.tp_specs(stacked)
+    assert specs["blocks"]["mlp"]["fc1"]["kernel"] == P(None, None, "tp")  # [L, D, F_tp]
+    assert specs["blocks"]["attn"]["proj"]["kernel"] == P(None, "tp", None, None)  # [L, H_tp, K, D]
+    for i in range(cfg.n_layers):
+        layer = jax.tree.map(lambda a, i=i: a[i], (stacked["blocks"], grads_scan["blocks"]))
+        jax.tree.map(np.testing.assert_array_equal, layer[0], params["blocks"][i])
+        jax.tree.map(close, layer[1], grads["blocks"][i])
+
+
+@pytest.mark.slow
+def test_gqa_rope_attention_matches_a_naive_reference():
+    """Head h = g * R + r reads kv group g; rope in LLaMA's rotate-half form."""
+    cfg = ModelConfig(d_model=64, n_heads=8, n_kv_heads=2, pos=PosKind.ROPE, bias=False)
+    attn = Attention(cfg, nnx.Rngs(0), jnp.float32, 0.02)
+    x = jax.random.normal(jax.random.key(2), (2, 10, 64))
+    w = attn.qkv["kernel"][...]  # [D, R + 2, G, K]
+    r, g, k = w.shape[1] - 2, w.shape[2], w.shape[3]
+    q = jnp.einsum("btd,drgk->btgrk", x, w[:, :r]).reshape(2, 10, g * r, k)
+    key = jnp.repeat(jnp.einsum("btd,dgk->btgk", x, w[:, r]), r, axis=2)
+    value = jnp.repeat(jnp.einsum("btd,dgk->btgk", x, w[:, r + 1]), r, axis=2)
+
+    def rotate(y):  # y [B, T, H, K]
+        angle = jnp.arange(10)[:, None] / 10000 ** (jnp.arange(0, k, 2) / k)
+        angle = jnp.concatenate([angle, angle], -1)[None, :, None]
+        half = jnp.concatenate([-y[..., k // 2 :], y[..., : k // 2]], -1)
+        return y * jnp.cos(angle) + half * jnp.sin(angle)
+
+    scores = jnp.einsum("bthk,bshk->bhts", rotate(q), rotate(key)) / math.sqrt(k)
+    scores = jnp.where(jnp.tril(jnp.ones((10, 10), bool)), scores, -1e30)
+    out = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, -1), value)
+    ref = jnp.einsum("bthk,hkd->btd", out, attn.proj["kernel"][...])
+    np.testing.assert_allclose(nnx.jit(lambda a, x: a(x))(attn, x), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, count", [("llama2_7b", 6_738_415_616), ("llama2_70b", 68_976_648_192)])
+@pytest.mark.slow
+def test_llama_presets_have_the_public_param_counts(name, count):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    abstract = GPTModel(cfg.model, param_dtype=jnp.bfloat16).abstract_params()
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(abstract)) == count
+
+
+@pytest.mark.parametrize("path", ["spec", "flat"])
+@pytest.mark.slow
+def test_llama_options_match_single_device_optax(path):
+    """Every option at once, tp=2 splitting the kv groups and the swiglu pair, vs plain optax."""
+    model = {**LLAMA_TINY, "scan_layers": True, "remat": True}
+    assert_matches_reference(tiny_config("optim_grads", (4, 1, 2), 1, model=model, zero={"path": path}))
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.n_kv_heads=3"], "model.n_heads=4 must be divisible by model.n_kv_heads=3"),
+        (["model.n_kv_heads=1", "mesh.dp=4", "mesh.tp=2"], "model.n_kv_heads=1 must be divisible by mesh.tp=2"),
+        (["model.pos=rope", "model.d_model=12", "model.n_heads=4"], "even head dim"),
+        (["model.mlp=relu"], "model.mlp='relu' is not one of: gelu, swiglu"),
+    ],
+)
+def test_bad_model_options(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_swiglu_with_biases():
+    """swiglu with model.bias: fc1's bias [2, F] adds its gate row to the gate and its up row to up
+    (it used to be added to the stacked [2, B, T, F] pair, which does not broadcast)."""
+    from jzero.train.model import MLP
+
+    cfg = ModelConfig(vocab_size=64, d_model=8, n_layers=1, n_heads=2, d_ff=6, seq_len=4, mlp="swiglu", bias=True)
+    mlp = MLP(cfg, nnx.Rngs(0), jnp.float32, 0.02)
+    rng = np.random.default_rng(0)
+    for layer in (mlp.fc1, mlp.fc2):
+        layer["bias"] = nnx.Param(jnp.asarray(rng.standard_normal(layer["bias"].shape), jnp.float32))
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    w1, b1 = np.asarray(mlp.fc1["kernel"][...]), np.asarray(mlp.fc1["bias"][...])
+    w2, b2 = np.asarray(mlp.fc2["kernel"][...]), np.asarray(mlp.fc2["bias"][...])
+    gate, up = x @ w1[:, 0] + b1[0], x @ w1[:, 1] + b1[1]
+    want = (gate / (1 + np.exp(-gate)) * up) @ w2 + b2
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)

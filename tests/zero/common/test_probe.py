@@ -1,0 +1,62 @@
+"""jzero.zero.common.probe: the build-time checks of the inner optax transformation, on a miniature of the
+params: the flat path runs only element-wise transformations, and param groups must be read by the chain."""
+
+import optax
+import pytest
+
+from helpers import pytree
+from jzero.errors import ConfigError
+from jzero.zero.common import groups
+from jzero.zero.common.probe import check_elementwise, check_groups_read, transformation_name
+from jzero.zero.common.strategies import make_plan
+from jzero.zero.config import ParamGroupRule, ShardingStrategy
+
+PLAN = make_plan(pytree.mesh(dp=4), ShardingStrategy.OPTIM, pytree.abstract(), pytree.NO_TP)
+DEFAULTS = groups.param_groups(pytree.abstract())  # bias: wd_mult 0
+
+
+@pytest.mark.parametrize(
+    "inner, param_groups",
+    [
+        (optax.adam(1e-2), None),
+        (optax.sgd(0.1, momentum=0.9), None),
+        (optax.lion(1e-3), None),
+        (groups.adamw(1e-2, weight_decay=0.1), DEFAULTS),
+    ],
+    ids=["adam", "sgd", "lion", "groups.adamw"],
+)
+def test_element_wise_transformations_pass(inner, param_groups):
+    check_elementwise(inner, PLAN, param_groups)
+
+
+def test_a_per_tensor_transformation_is_refused_by_name():
+    with pytest.raises(ConfigError) as e:
+        check_elementwise(optax.lamb(1e-3), PLAN)
+    message = str(e.value)
+    assert message.startswith(
+        "zero.path=flat needs an element-wise optimizer, and "
+        "chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, scale) is not: on flat buffer shards"
+    )
+    assert "Use zero.path=spec" in message
+
+
+def test_a_transformation_built_for_the_params_tree_is_refused():
+    masked = optax.masked(optax.adam(1e-2), {"w": True, "bias": False, "v": True, "s": True})
+    assert transformation_name(masked) == "masked(chain(scale_by_adam, scale))"
+    with pytest.raises(
+        ConfigError, match=r"^zero.path=flat cannot run masked\(chain\(scale_by_adam, scale\)\): it fails"
+    ):
+        check_elementwise(masked, PLAN)
+
+
+def test_groups_the_chain_never_reads_are_refused():
+    check_groups_read(groups.adamw(1e-2), PLAN, DEFAULTS)
+    check_groups_read(optax.adam(1e-2), PLAN, None)
+    check_groups_read(optax.adam(1e-2), PLAN, groups.param_groups(pytree.abstract(), weight_decay_1d=True))  # all 1
+    with pytest.raises(
+        ConfigError, match=r"^param groups set wd_mult but chain\(scale_by_adam, scale\) never reads it"
+    ):
+        check_groups_read(optax.adam(1e-2), PLAN, DEFAULTS)
+    lr_only = groups.param_groups(pytree.abstract(), weight_decay_1d=True, rules=[ParamGroupRule("w", 0.5)])
+    with pytest.raises(ConfigError, match=r"^param groups set lr_mult but .* never reads it: put .*scale_by_lr_mult"):
+        check_groups_read(optax.chain(optax.scale_by_adam(), groups.add_decayed_weights(0.1)), PLAN, lr_only)

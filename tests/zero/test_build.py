@@ -1,0 +1,86 @@
+"""jzero.zero.build: `build_zero` resolves a run once; the `Zero` it returns carries its config and options,
+births the state in its shardings, and converts the flat path's state to the spec path's layout and back."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import pytree
+from jzero.errors import ConfigError
+from jzero.mesh import BATCH_AXES
+from jzero.zero.build import Zero, build_zero
+from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig
+
+
+def test_zero_carries_its_config_and_options():
+    z = pytree.build("optim", "flat", microbatches=2, clip_grad=0.5, grad_reduce_dtype=jnp.bfloat16)
+    assert isinstance(z, Zero)
+    assert z.config == ZeroConfig("optim", "flat")
+    assert z.options == StepOptions(2, np.dtype(jnp.bfloat16), 0.5, None, False)
+    assert z.flat is not None and z.flat.plan is z.plan and z.mesh is z.plan.mesh
+    assert z.batch_sharding.spec == P(BATCH_AXES)
+    assert not z.keeps_main_params  # fp32 params are the main params (Megatron keeps no second copy)
+    assert pytree.build("optim", dtype=jnp.bfloat16).keeps_main_params
+
+
+def test_float16_params_need_loss_scaling():
+    mesh, abstract = pytree.mesh(dp=2), pytree.abstract(jnp.float16)
+    message = r"^float16 params need loss scaling .*: pass loss_scale=jzero\.zero\.DynamicLossScale\(\) to build_zero$"
+    with pytest.raises(ConfigError, match=message):
+        build_zero(pytree.loss, optax.adam(1e-2), mesh, abstract, pytree.NO_TP)
+    z = pytree.build(dtype=jnp.float16, loss_scale=DynamicLossScale())
+    assert z.options.loss_scale == DynamicLossScale()
+
+
+def test_state_is_born_in_its_shardings_and_evaluate_is_the_steps_loss():
+    z = pytree.build("optim_grads", "spec")
+    state = z.init_state(pytree.init_params)
+    assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(z.shardings)
+    init = jax.jit(pytree.init_params)()
+    for k, x in init.items():
+        np.testing.assert_array_equal(state.params[k], x)  # jitted straight into its shardings, bitwise
+    batch = pytree.batch()
+    want = pytree.loss(init, batch)
+    got = z.evaluate(state.params, jax.device_put(batch, z.batch_sharding))
+    np.testing.assert_allclose(float(got["loss"]), float(want), rtol=1e-6)
+    _, metrics = z.step(state, jax.device_put(batch, z.batch_sharding))
+    np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["spec", "flat"])
+def test_grad_buffer_structs_are_the_plans_grad_buffer(path):
+    z = pytree.build("optim_grads", path, grad_reduce_dtype=jnp.bfloat16)
+    structs = z.grad_buffer_structs()
+    assert {s.dtype for s in jax.tree.leaves(structs)} == {jnp.dtype(jnp.bfloat16)}
+    if path == "spec":
+        assert {k: s.shape for k, s in structs.items()} == pytree.SHAPES
+        assert [s.sharding for s in jax.tree.leaves(structs)] == jax.tree.leaves(z.plan.grad_buffer_shardings())
+    else:
+        assert [s.shape for s in structs] == z.flat.bucket_shapes()
+        assert [s.sharding.spec for s in structs] == z.flat.bucket_specs(sharded=True)
+    assert {s.dtype for s in jax.tree.leaves(z.grad_buffer_structs(jnp.float32))} == {jnp.dtype(jnp.float32)}
+
+
+def test_the_flat_state_in_model_space_is_the_spec_paths_and_converts_back_exactly():
+    """One step on each path from the same params and batch: the flat path's state, converted to model
+    space, is the spec path's (Adam's moments per param); converted back, it is bitwise what it was."""
+    batch = pytree.batch()
+    states = {}
+    for path in ("spec", "flat"):
+        z = pytree.build("optim_grads", path, zero={"bucket_size": 64} if path == "flat" else None)
+        state, _ = z.step(z.init_state(pytree.init_params), jax.device_put(batch, z.batch_sharding))
+        states[path] = (z, state)
+    z, flat = states["flat"]
+    assert z.flat.n_buckets > 1
+    model = jax.jit(z.to_model_space, out_shardings=z.model_opt_shardings)(flat.opt_state)
+    spec_state = states["spec"][1].opt_state
+    assert jax.tree.structure(model) == jax.tree.structure(spec_state)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(spec_state)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    back = jax.jit(z.from_model_space, out_shardings=z.shardings.opt_state)(model)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(flat.opt_state)):
+        np.testing.assert_array_equal(a, b)

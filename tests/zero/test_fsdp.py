@@ -1,0 +1,241 @@
+"""ZeRO-3 (FSDP units) and HSDP on the spec path: fidelity against single-device optax, a user's
+own model marking its units, what each stage shards, checkpoints between stages, refusals.
+(The compiled program's collectives, inside the layer loop, are checked in test_fsdp_inspect.py.)"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import MOE, assert_matches_reference, flat_config, tiny_config
+from helpers.checkpoints import restore_matches, train_and_save
+from jzero.cli import main
+from jzero.config import ConfigError
+from jzero.mesh import MeshConfig, make_mesh
+from jzero.train.checkpoint import Checkpointer
+from jzero.train.loop import setup
+from jzero.zero import build_zero
+from jzero.zero.common.units import unit
+from jzero.zero.common.update import clip_by_global_norm
+from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroConfig, ZeroPath
+
+ZERO3 = "optim_grads_params"
+SCAN = {"scan_layers": True, "remat": True}
+
+
+def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **sections):
+    """`tiny_config` on dp_outer=2 replicas of (dp, ep, tp) = `mesh`."""
+    cfg = tiny_config(strategy, mesh, microbatches, zero={"outer_strategy": outer, **(zero or {})}, **sections)
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=2))
+
+
+# ---------------------------------------------------------------- fidelity
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize(
+    "mesh, model",
+    [
+        ((8, 1, 1), {}),  # one unit per block, unrolled
+        ((4, 1, 2), {"scan_layers": True}),  # stacked units [L, ...], tp-local gathers
+        ((2, 2, 2), {"moe": MOE}),  # expert params gathered over the expert-DP domain
+    ],
+    ids=["dp8", "dp4-tp2-scan", "dp2-ep2-tp2-moe"],
+)
+@pytest.mark.matrix
+def test_zero3_matches_single_device_optax(mesh, model, microbatches):
+    # reshard_after_forward: false, and a model's own units: test_user_model_units_match_plain_optax
+    assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model))
+
+
+@pytest.mark.parametrize(
+    "strategy, mesh, microbatches, outer, path",
+    [
+        (ZERO3, (4, 1, 1), 2, "no_shard", "spec"),
+        (ZERO3, (4, 1, 1), 1, "optim", "spec"),
+        (ZERO3, (2, 1, 2), 2, "no_shard", "spec"),
+        (ZERO3, (2, 1, 2), 1, "optim", "spec"),
+        ("optim", (2, 1, 2), 1, "optim", "spec"),  # DDP / ZeRO-1: one sum over all DP, XLA's collectives
+        ("optim_grads", (4, 1, 1), 2, "no_shard", "flat"),  # psum_scatter inner, psum across dp_outer
+        ("optim_grads", (2, 2, 1), 1, "optim", "flat"),  # MoE: the expert buffer's inner domain is dp
+    ],
+)
+@pytest.mark.matrix
+def test_hsdp_matches_single_device_optax(strategy, mesh, microbatches, outer, path):
+    model = {"moe": MOE} if mesh[1] > 1 else {}
+    assert_matches_reference(hsdp_config(strategy, mesh, microbatches, outer, zero={"path": path}, model=model))
+
+
+# ---------------------------------------------------------------- a user's own model
+
+
+def init_stack(layers=3, d=16):
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    stack = jnp.stack([jax.random.normal(k, (d, d)) / math.sqrt(d) for k in keys[1:]])
+    return {"proj": jax.random.normal(keys[0], (8, d)) * 0.3, "layers": {"w": stack, "b": jnp.zeros((layers, d))}}
+
+
+def stack_loss(params, batch):  # batch [B, 9]: 8 features + target
+    """A residual tanh stack, scanned; each layer one FSDP unit through `unit`."""
+
+    def layer(x, lp):
+        return unit(lambda lp, x: x + jnp.tanh(x @ lp["w"] + lp["b"]), lp, x), None
+
+    x, _ = jax.lax.scan(layer, batch[:, :8] @ params["proj"], params["layers"])
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.slow
+def test_user_model_units_match_plain_optax(reshard):
+    """`units` marks the stacked layer params ([L, ...]: one unit per layer); the step gathers each
+    layer's slice in the scan and reduce-scatters its grads there, and trains like plain optax."""
+    mesh = make_mesh(MeshConfig(dp=8))
+    abstract = jax.eval_shape(init_stack)
+    tp_specs = jax.tree.map(lambda _: P(), abstract)
+    units = {"proj": None, "layers": {"w": 1, "b": 1}}
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    zero = ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, reshard_after_forward=reshard)
+    z = build_zero(stack_loss, tx, mesh, abstract, tp_specs, zero, units=units, clip_grad=1.0, microbatches=2)
+    assert z.plan.tensors["layers"]["w"].shard_dim != 0  # never the stacked-layer dim
+    assert z.shardings.params["layers"]["w"].spec == P(None, ("dp_outer", "dp", "ep"), None)
+    state = z.init_state(init_stack)
+    params, opt = init_stack(), tx.init(init_stack())
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        batch = rng.standard_normal((32, 9)).astype(np.float32)
+        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
+        loss, g = jax.value_and_grad(stack_loss)(params, batch)
+        g, _ = clip_by_global_norm(g, 1.0)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_unit_outside_a_zero_step_is_a_plain_call():
+    params = init_stack()
+    batch = jnp.ones((4, 9))
+    assert float(stack_loss(params, batch)) == pytest.approx(float(stack_loss(params, batch)))
+    assert unit(lambda p, x: p * x, 2.0, 3.0) == 6.0
+
+
+# ---------------------------------------------------------------- what is sharded
+
+
+def _bytes_per_device(shardings, tensors) -> int:
+    return sum(
+        math.prod(s.shard_shape(t.shape)) * t.dtype.itemsize
+        for s, t in zip(jax.tree.leaves(shardings), jax.tree.leaves(tensors))
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, d_params, d_state",
+    [
+        (tiny_config(ZERO3, (8, 1, 1)), 8, 8),
+        (tiny_config(ZERO3, (4, 1, 2)), 4, 4),
+        (hsdp_config(ZERO3, (4, 1, 1), outer="no_shard"), 4, 4),  # replicated across dp_outer
+        (hsdp_config(ZERO3, (4, 1, 1), outer="optim"), 4, 8),  # state split across dp_outer too
+        (hsdp_config("optim_grads", (4, 1, 1), outer="optim"), 1, 8),
+    ],
+    ids=["zero3-dp8", "zero3-dp4-tp2", "hsdp-no_shard", "hsdp-optim", "hsdp-zero2-optim"],
+)
+def test_per_device_bytes_are_ddps_over_the_sharding_degree(cfg, d_params, d_state):
+    """Model params and fp32 state per device, from the run's shardings, are DDP's divided by the
+    degree each is split over (every tensor of the tiny GPT has a dim that divides 8)."""
+    ddp = setup(dataclasses.replace(cfg, zero=ZeroConfig(ShardingStrategy.NO_SHARD), mesh=MeshConfig(
+        dp=cfg.mesh.dp * cfg.mesh.dp_outer, tp=cfg.mesh.tp)), with_data=False).zero  # fmt: skip
+    z = setup(cfg, with_data=False).zero
+    assert not z.plan.replicated()
+    tensors = z.plan.tensors
+    params = _bytes_per_device(z.shardings.params, tensors)
+    assert params * d_params == _bytes_per_device(ddp.shardings.params, tensors)
+    state = _bytes_per_device(z.plan.state_shardings(), tensors)
+    assert state * d_state == _bytes_per_device(ddp.plan.state_shardings(), tensors)
+
+
+# ---------------------------------------------------------------- checkpoints between stages
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_zero3_hsdp_and_the_other_stages(tmp_path):
+    """A ZeRO-3 (4, 1, 2) checkpoint restores onto HSDP ZeRO-3 optim (2 x 2 x tp 2), which trains on.
+    Checkpoints are in model space, so any stage restores onto any other (the flat path's side of
+    that: test_checkpoint.py, test_moe.py)."""
+    bf16 = {"precision": {"param_dtype": "bfloat16"}, "model": {"scan_layers": True}}  # fp32 main params too
+    whole = train_and_save(tmp_path / "a", tiny_config(ZERO3, (4, 1, 2), **bf16))
+    assert "main_params" in whole
+    restore_matches(tmp_path / "a", whole, hsdp_config(ZERO3, (2, 1, 2), outer="optim", **bf16), train=True)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_flat_units_the_spec_path_and_flat_without_overlap(tmp_path):
+    """Model space both ways: a flat per-unit ZeRO-3 checkpoint (bucket-shard params, stacked buckets)
+    restores onto the spec path's ZeRO-2 and onto the flat path's ZeRO-1 without overlap (one layout),
+    and theirs onto flat ZeRO-3, every shard the saved slice."""
+    bf16 = {"precision": {"param_dtype": "bfloat16"}}
+    flat3 = flat_config(ZERO3, (4, 1, 2), model=SCAN, precision=bf16["precision"])
+    whole = train_and_save(tmp_path / "a", flat3)
+    assert "main_params" in whole
+    restore_matches(tmp_path / "a", whole, tiny_config("optim_grads", (8, 1, 1), model=SCAN, **bf16), train=True)
+    off = tiny_config("optim", (4, 1, 2), model=SCAN, zero={"path": "flat", "overlap_grad_reduce": False}, **bf16)
+    restore_matches(tmp_path / "a", whole, off)
+    whole = train_and_save(tmp_path / "b", off)
+    restore_matches(tmp_path / "b", whole, flat3, train=True)
+
+
+@pytest.mark.slow
+def test_flat_zero3_resumes_bitwise(tmp_path):
+    """Two steps, a checkpoint, one more step: the same state as three steps straight."""
+    cfg = flat_config(ZERO3, (4, 1, 2), model=SCAN)
+    run = setup(cfg)
+    state = run.init_state()
+    for i in range(2):
+        state, _ = run.zero.step(state, run.device_batch(i))
+    ck = Checkpointer(tmp_path / "ck", run, async_save=False)
+    ck.save(state, cfg)
+    ck.close()
+    straight, _ = run.zero.step(state, run.device_batch(2))
+    reader = Checkpointer(tmp_path / "ck", run, writer=False)
+    resumed, _ = run.zero.step(reader.restore(2), run.device_batch(2))
+    reader.close()
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_the_flat_paths_zero3_refuses_only_a_quantized_gather():
+    """Flat ZeRO-3 builds (its params rest as bucket shards, gathered per unit in the forward); the
+    quantized gather after the optimizer step (`zero.param_gather_dtype`) has no place there."""
+    z = setup(tiny_config(ZERO3, (8, 1, 1), zero={"path": "flat"}), with_data=False).zero
+    assert z.flat.params_rest_sharded and not z.params_in_state
+    with pytest.raises(ConfigError, match="params are gathered in the forward"):
+        ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT, param_gather_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["zero.strategy=optim_grads_params", "zero.path=flat", "zero.param_gather_dtype=int8"], "in the forward"),
+        (["zero.outer_strategy=everything"], "zero.outer_strategy"),
+        (["mesh.dp_outer=3"], "mesh"),
+    ],
+)
+def test_cli_refuses_with_one_line(sets, message, capsys, tmp_path):
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["train", "--out", str(tmp_path), "--set", "train.steps=1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_outer_strategy_parses():
+    assert ZeroConfig(outer_strategy=OuterStrategy("optim")).outer_strategy == OuterStrategy.OPTIM
