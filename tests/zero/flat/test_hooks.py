@@ -24,7 +24,7 @@ SCAN = {"scan_layers": True, "remat": True}
 def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
     """Outside a shard_map, on one device's values: `split` of a gathered bucket gives each param at its
     range; `reduce_grads` without reduction gives the bucket of the grads scaled by 1 / (d x M), zero in
-    the gaps. A sink varies over every axis but those its reduction sums."""
+    the gaps. A sink varies over every axis but those its reduction sums without scattering (DDP's)."""
     run = setup(flat_config("optim_grads", (8, 1, 1), model=SCAN, bucket_size=3000), with_data=False)
     fp = run.zero.flat
     (buf, b), hook = next(((bb, h) for bb, h in zip(fp.buckets, bucket_hooks(fp, SHARD, 0.5, jnp.float32))
@@ -43,8 +43,9 @@ def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
         ps, pe, _ = buf.layout.param_index_map[j]
         filled[ps - start : pe - start] = True
     np.testing.assert_array_equal(np.asarray(laid), np.where(filled, 0.5, 0.0))
-    assert sink_axes(buf, reduce=False) == AXES
-    assert set(sink_axes(buf, reduce=True)) == set(AXES) - set(buf.dp_axes)
+    assert sink_axes(buf, reduce=False) == sink_axes(buf, reduce=True) == AXES  # a reduce-scatter's shard is per rank
+    ddp = setup(flat_config("no_shard", (8, 1, 1), model=SCAN), with_data=False).zero.flat.buffers[0]
+    assert set(sink_axes(ddp, reduce=True)) == set(AXES) - set(ddp.dp_axes)  # a psum's sum is the same on every rank
 
 
 # ---------------------------------------------------------------- the compiled program
