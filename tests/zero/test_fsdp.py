@@ -143,9 +143,11 @@ def _bytes_per_device(shardings, tensors) -> int:
         (tiny_config(ZERO3, (4, 1, 2)), 4, 4),
         (hsdp_config(ZERO3, (4, 1, 1), outer="no_shard"), 4, 4),  # replicated across dp_outer
         (hsdp_config(ZERO3, (4, 1, 1), outer="optim"), 4, 8),  # state split across dp_outer too
-        (hsdp_config("optim_grads", (4, 1, 1), outer="optim"), 1, 8),
+        # ZeRO-2 with overlap_param_gather (it follows overlap_grad_reduce): the params rest split over dp
+        (hsdp_config("optim_grads", (4, 1, 1), outer="optim"), 4, 8),
+        (hsdp_config("optim_grads", (4, 1, 1), outer="optim", zero={"overlap_grad_reduce": False}), 1, 8),
     ],
-    ids=["zero3-dp8", "zero3-dp4-tp2", "hsdp-no_shard", "hsdp-optim", "hsdp-zero2-optim"],
+    ids=["zero3-dp8", "zero3-dp4-tp2", "hsdp-no_shard", "hsdp-optim", "hsdp-zero2-optim", "hsdp-zero2-optim-whole"],
 )
 def test_per_device_bytes_are_ddps_over_the_sharding_degree(cfg, d_params, d_state):
     """Model params and fp32 state per device, from the run's shardings, are DDP's divided by the
