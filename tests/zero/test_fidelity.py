@@ -17,10 +17,14 @@ MESHES = [(8, 1, 1), (4, 1, 2)]
 STRATEGIES = ["no_shard", "optim", "optim_grads"]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))
 @pytest.mark.matrix
-def test_matches_single_device_optax(strategy, mesh, microbatches, path):
-    assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero={"path": path}))
+def test_matches_single_device_optax(strategy, mesh, microbatches, path, overlap):
+    """overlap: zero.overlap_grad_reduce (and overlap_param_gather, which follows it): each unit's grads
+    reduced inside the backward (the flat path's buffers per unit), or every grad after it."""
+    zero = {"path": path, "overlap_grad_reduce": overlap}
+    assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero=zero))
 
 
 @pytest.mark.parametrize("path", PATHS)

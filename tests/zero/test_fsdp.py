@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import MOE, assert_matches_reference, flat_config, tiny_config
+from helpers import MOE, PATHS, assert_matches_reference, flat_config, tiny_config
 from helpers.checkpoints import restore_matches, train_and_save
 from jzero.cli import main
 from jzero.config import ConfigError
@@ -47,10 +47,11 @@ def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **s
     ],
     ids=["dp8", "dp4-tp2-scan", "dp2-ep2-tp2-moe"],
 )
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.matrix
-def test_zero3_matches_single_device_optax(mesh, model, microbatches):
+def test_zero3_matches_single_device_optax(mesh, model, microbatches, path):
     # reshard_after_forward: false, and a model's own units: test_user_model_units_match_plain_optax
-    assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model))
+    assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model, zero={"path": path}))
 
 
 @pytest.mark.parametrize(
@@ -63,6 +64,8 @@ def test_zero3_matches_single_device_optax(mesh, model, microbatches):
         ("optim", (2, 1, 2), 1, "optim", "spec"),  # DDP / ZeRO-1: one sum over all DP, XLA's collectives
         ("optim_grads", (4, 1, 1), 2, "no_shard", "flat"),  # psum_scatter inner, psum across dp_outer
         ("optim_grads", (2, 2, 1), 1, "optim", "flat"),  # MoE: the expert buffer's inner domain is dp
+        (ZERO3, (4, 1, 1), 2, "no_shard", "flat"),  # bucket shards gathered over the inner axes only
+        (ZERO3, (2, 1, 2), 1, "optim", "flat"),  # the state split across dp_outer too
     ],
 )
 @pytest.mark.matrix
