@@ -37,7 +37,7 @@ def test_overrides_are_typed():
         (["train.microbatches=3"], "train.microbatches=3"),
         (["model.d_model=100", "model.n_heads=3"], "model.d_model=100 must be divisible by model.n_heads=3"),
         (["mesh.dp=4"], "does not match the 8 available devices"),
-        (["zero.strategy=optim_grads_params", "zero.path=flat"], "runs on zero.path=spec only"),
+        (["zero.strategy=optim_grads_params", "zero.path=flat", "zero.param_gather_dtype=int8"], "gathered in the"),
         (["data.kind=text", "model.vocab_size=100"], "model.vocab_size=100 must be >= 256"),
         (["data.path=/nonexistent/dir"], "data.path='/nonexistent/dir' is not a directory"),
         (["data.kind=indexed"], "data.kind=indexed needs data.path"),

@@ -264,7 +264,7 @@ def adam_moments(opt_state) -> tuple:
 def first_step_view(impl: str, state, metrics, run) -> dict:
     """Host copies of what the check compares, in model space: loss, grad_norm, params, mu, nu."""
     if impl.startswith("jzero"):
-        params = state.params
+        params = run.zero.full_params(state.params)
         mu, nu = adam_moments(jax.jit(run.zero.to_model_space)(state.opt_state).inner_state)
     else:
         params, opt_state = state

@@ -49,7 +49,7 @@ def export(out: Path) -> None:
         megatron.save(out / variant / "b", state, zero, NAMES, hyperparams=HYPERPARAMS, bucket_size=bucket_size,
                       order=ORDER)  # fmt: skip
         state, losses, norms = train(zero, state, 11, 15)
-        params = {k: v.tolist() for k, v in by_name(jax.device_get(state.params)).items()}
+        params = {k: v.tolist() for k, v in by_name(jax.device_get(zero.full_params(state.params))).items()}
         (out / variant / "b_jzero.json").write_text(json.dumps({"losses": losses.tolist(), "norms": norms.tolist(),
                                                                 "params": params}))  # fmt: skip
         print(f"{variant}: exported {out / variant}/a and b")

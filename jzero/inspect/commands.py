@@ -18,9 +18,8 @@ from jzero.zero.config import ShardingStrategy
 
 # The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
 TARGET_CHOICES = ("cpu", "h100", "a100", "h200")
-# Every zero.strategy on the spec path; the flat path has no ZeRO-3 (a config error there): its default leaves it out.
+# Every zero.strategy, on either path.
 DEFAULT_STRATEGIES = "no_shard,optim,optim_grads,optim_grads_params"
-FLAT_DEFAULT_STRATEGIES = "no_shard,optim,optim_grads"
 
 
 def add_parsers(subparsers, with_config) -> None:
@@ -45,8 +44,8 @@ def add_parsers(subparsers, with_config) -> None:
 def _common(sp) -> None:
     sp.add_argument(
         "--strategies",
-        help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES}; {FLAT_DEFAULT_STRATEGIES} "
-        "on the flat path)",
+        help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES}; with zero.param_gather_dtype "
+        "optim,optim_grads)",
     )
     sp.add_argument("--path", choices=("spec", "flat"), help="zero.path (default: the config's)")
     sp.add_argument(
@@ -87,10 +86,9 @@ def _compile_all(cfg: Config, args, dump: bool) -> dict:
     from jzero.inspect.compile import compile_step, with_zero
 
     out = {}
-    flat = (args.path or cfg.zero.path.value) == "flat"
-    default = FLAT_DEFAULT_STRATEGIES if flat else DEFAULT_STRATEGIES
-    if cfg.zero.param_gather_dtype is not None:  # it quantizes a gather that no_shard does not have
-        default = default.removeprefix("no_shard,")
+    default = DEFAULT_STRATEGIES
+    if cfg.zero.param_gather_dtype is not None:  # it quantizes the gather after the step: not DDP's, not ZeRO-3's
+        default = "optim,optim_grads"
     for s in _strategies(default if args.strategies is None else args.strategies):
         out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology, dump=dump)
         print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)

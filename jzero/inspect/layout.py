@@ -1,8 +1,13 @@
 """`jzero layout`: Megatron's flat buffers for a config, and which rank owns which part of which param.
 
-A MoE model has two buffers (docs/megatron.md, "The flat buffer"): the dense one, sharded over
-the dense DP domain, and the expert one (this ep rank's experts), sharded over the expert DP
-domain. A device's rank differs between them: dense rank r (over dp_outer x dp x ep, ep
+The buffers come per group (`jzero.zero.flat.plan`): each FSDP unit's (a transformer block; a scanned
+stack's is laid out per layer, the same in every layer) and the rest (embeddings, final norm, head), or
+one group of every param without units (`zero.overlap_grad_reduce: false` below ZeRO-3). Each group's
+buffer is Megatron's layout of its params.
+
+A MoE model has two buffers per group with experts (docs/megatron.md, "The flat buffer"): the dense
+one, sharded over the dense DP domain, and the expert one (this ep rank's experts), sharded over the
+expert DP domain. A device's rank differs between them: dense rank r (over dp_outer x dp x ep, ep
 innermost) is expert-DP rank r // ep (over dp_outer x dp) and holds the experts of ep rank r % ep.
 """
 
@@ -11,16 +16,29 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jzero.zero.flat.plan import FlatBuffer, FlatPlan
+from jzero.zero.flat.plan import REST, FlatBuffer, FlatGroup, FlatPlan
 
 
 def describe(fp: FlatPlan) -> dict:
-    """The layout as plain data. Top level: the first buffer (the dense one) as `describe_buffer`
-    gives it; under "expert", the expert buffer's, when the model has expert params."""
-    out = describe_buffer(fp, fp.buffers[0])
-    for buf in fp.buffers[1:]:
-        out[buf.kind] = describe_buffer(fp, buf)
-    return out
+    """The layout as plain data: {"groups": [describe_group, ...]} in plan order; and at the top level,
+    the first group's first (dense) buffer as `describe_buffer` gives it, with its expert buffer under
+    "expert" (the whole model's, without units)."""
+    groups = [describe_group(fp, g) for g in fp.groups]
+    first = groups[0]
+    out = dict(first["buffers"][0])
+    for buf in first["buffers"][1:]:
+        out[buf["buffer"]["kind"]] = buf
+    return out | {"groups": groups}
+
+
+def describe_group(fp: FlatPlan, group: FlatGroup) -> dict:
+    """One group: {"unit": its unit key, or None for the params in no unit; "layers": L of a scanned stack
+    (its buffers' layout is one layer's) or None; "buffers": [describe_buffer, ...], dense first}."""
+    return {
+        "unit": None if group.key == REST else group.key,
+        "layers": group.layers,
+        "buffers": [describe_buffer(fp, buf) for buf in group.buffers],
+    }
 
 
 def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
@@ -32,7 +50,7 @@ def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
     params = [
         {
             "name": tensors[i].name,
-            "local_shape": list(fp.local_shapes[i]),
+            "local_shape": list(fp.layer_shape(i)),
             "numel": int(end - start),
             "start": start,
             "end": end,
@@ -74,17 +92,27 @@ def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
 
 
 def format_layout(d: dict, rank: int) -> str:
-    """The buffers of `describe` as text, with what dense-DP rank `rank` owns in each."""
-    lines = _format_buffer(d, rank)
-    if "expert" in d:
-        lines += _format_buffer(d["expert"], _expert_rank(d, rank), f" (dense rank {rank}; its ep rank's experts)")
+    """Every group's buffers of `describe` as text, with what dense-DP rank `rank` owns in each."""
+    lines = []
+    for g in d["groups"]:
+        if len(d["groups"]) > 1:
+            what = "params in no unit" if g["unit"] is None else f"FSDP unit {g['unit']}"
+            stacked = f", a scanned stack of {g['layers']} layers laid out alike (one layer's below)"
+            lines.append(f"group: {what}{stacked if g['layers'] else ''}")
+        dense = next((b for b in g["buffers"] if b["buffer"]["kind"] == "dense"), None)
+        for buf in g["buffers"]:
+            if buf["buffer"]["kind"] == "dense":
+                lines += _format_buffer(buf, rank)
+            else:
+                who = f" (dense rank {rank}; its ep rank's experts)"
+                lines += _format_buffer(buf, _expert_rank(dense or d, buf, rank), who)
     return "\n".join(lines)
 
 
-def _expert_rank(d: dict, rank: int) -> int:
+def _expert_rank(dense: dict, expert: dict, rank: int) -> int:
     """The expert-buffer rank of the device that is rank `rank` of the dense buffer: its coordinates
     on the dense shard axes, read on the expert shard axes (r // ep without HSDP; 0 under no_shard)."""
-    dense, expert = d["buffer"], d["expert"]["buffer"]
+    dense, expert = dense["buffer"], expert["buffer"]
     if expert["dp_size"] == 1:
         return 0
     coords = dict(zip(dense["shard_axes"], np.unravel_index(rank, dense["shard_axis_sizes"])))

@@ -514,7 +514,8 @@ def to_train_state(ck: MegatronCheckpoint, zero: Zero, names: PyTree) -> TrainSt
     index = {tuple(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(zero.plan.tensors)[0])}
     treedef = jax.tree.structure(zero.plan.tensors)
     abstract_params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), zero.plan.tensors)
-    model_abstract = jax.eval_shape(zero.to_model_space, jax.eval_shape(zero.init_opt, abstract_params))
+    held = jax.eval_shape(zero.params_from_model, abstract_params)  # what the state holds: the params or bucket shards
+    model_abstract = jax.eval_shape(zero.to_model_space, jax.eval_shape(zero.init_opt, held))
     if model_abstract.grad_scaler is not None:
         raise InteropError("float16 params with loss scaling: jzero does not convert Megatron's grad scaler")
     moments = {"exp_avg": mu, "exp_avg_sq": nu}
@@ -544,7 +545,7 @@ def to_train_state(ck: MegatronCheckpoint, zero: Zero, names: PyTree) -> TrainSt
     model_opt = jax.device_put(model_opt, zero.model_opt_shardings)
     opt = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)(model_opt)
     return TrainState(
-        jax.device_put(jax.tree.unflatten(treedef, params), zero.shardings.params),
+        zero.params_from_model(jax.device_put(jax.tree.unflatten(treedef, params), zero.model_param_shardings)),
         opt,
         jax.device_put(np.asarray(ck.iteration, np.int32), zero.shardings.step),
     )
@@ -573,7 +574,7 @@ def _host(x: jax.Array) -> np.ndarray:
 def _model_space(state: TrainState, zero: Zero) -> tuple[list, list, dict[str, list], int]:
     """(params, fp32 main params, {exp_avg, exp_avg_sq}, Adam's step) on the host, leaves order."""
     opt = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)(state.opt_state)
-    params = [_host(x) for x in jax.tree.leaves(state.params)]
+    params = [_host(x) for x in jax.tree.leaves(zero.full_params(state.params))]
     main = params if opt.main_params is None else [_host(x) for x in jax.tree.leaves(opt.main_params)]
     index = {tuple(path): i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(zero.plan.tensors)[0])}
     moments: dict[str, list] = {k: [None] * len(params) for k in MOMENTS}

@@ -113,7 +113,7 @@ class Checkpointer:
 
     def _model_state(self, state: TrainState) -> dict:
         opt = self._to_model(state.opt_state)
-        tree = {"params": state.params, "opt_state": opt.inner_state, "step": state.step}
+        tree = {"params": self.run.zero.full_params(state.params), "opt_state": opt.inner_state, "step": state.step}
         if opt.main_params is not None:
             tree["main_params"] = opt.main_params
         if opt.grad_scaler is not None:
@@ -127,8 +127,9 @@ class Checkpointer:
         opt = jax.eval_shape(run.zero.to_model_space, abstract.opt_state)
         sh = run.zero.shardings
         model_sh = run.zero.model_opt_shardings
-        tree = {"params": abstract.params, "opt_state": opt.inner_state, "step": abstract.step}
-        shard = {"params": sh.params, "opt_state": model_sh.inner_state, "step": sh.step}
+        params = self._abstract_params(abstract)
+        tree = {"params": params, "opt_state": opt.inner_state, "step": abstract.step}
+        shard = {"params": run.zero.model_param_shardings, "opt_state": model_sh.inner_state, "step": sh.step}
         if opt.main_params is not None:
             tree["main_params"], shard["main_params"] = opt.main_params, model_sh.main_params
         if opt.grad_scaler is not None:
@@ -136,6 +137,10 @@ class Checkpointer:
         return to_nested(
             jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard)
         )
+
+    def _abstract_params(self, abstract: TrainState):
+        """The params tree (model space) of the state `abstract` (ShapeDtypeStructs)."""
+        return jax.eval_shape(self.run.zero.full_params, abstract.params)
 
     # ------------------------------------------------------------ save
 
@@ -221,12 +226,13 @@ class Checkpointer:
                 f"fingerprints saved with them ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})",
             )
         abstract = jax.eval_shape(self.run.init_state)
-        main = from_nested(nested["main_params"], abstract.params) if "main_params" in nested else None
+        model_params = self._abstract_params(abstract)
+        main = from_nested(nested["main_params"], model_params) if "main_params" in nested else None
         like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state
         inner = from_nested(nested["opt_state"], like_inner)
         scaler = from_nested(nested["grad_scaler"], abstract.opt_state.grad_scaler) if "grad_scaler" in nested else None
         opt = self._from_model(ZeroState(main, inner, scaler))
-        params = from_nested(nested["params"], abstract.params)
+        params = self.run.zero.params_from_model(from_nested(nested["params"], model_params))
         return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32))
 
     def restore_latest(self, fallback: bool = False, say: Callable[[str], None] = print) -> tuple[TrainState, int]:

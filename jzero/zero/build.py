@@ -9,6 +9,7 @@ optimizer state to and from model space (per parameter, for checkpoints).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPat
 from jzero.zero.flat.convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat.offload import flat_offload
 from jzero.zero.flat.plan import FlatPlan, make_flat_plan
+from jzero.zero.flat.state import from_model_params, to_model_params
+from jzero.zero.flat.state import opt_state_shardings as flat_opt_state_shardings
 from jzero.zero.flat.step import build_flat_step
-from jzero.zero.flat.step import opt_state_shardings as flat_opt_state_shardings
 from jzero.zero.spec.optimizer import opt_state_shardings
 from jzero.zero.spec.step import build_spec_step
 
@@ -44,25 +46,36 @@ class Zero:
       options: the step's options it was built with (microbatches, grad reduce dtype, clipping,
         loss scaling, has_aux): `build_zero`'s keyword arguments.
       plan: the per-tensor shardings (`strategies.ShardingPlan`).
-      flat: Megatron's flat buffers on the flat path, None on the spec path.
+      flat: Megatron's flat buffers on the flat path (per FSDP unit with `overlap_grad_reduce`, and
+        under ZeRO-3; `flat/plan.py`), None on the spec path.
       inner: the wrapped optax transformation.
       groups: per param its `groups.ParamGroup`, or None (no multipliers).
-      shardings: a TrainState of NamedShardings (params tp-sharded and replicated over DP;
-        optimizer state per the strategy and path; step replicated).
-      init_opt: params -> ZeroState, to call under jit (see `init_state`).
+      shardings: a TrainState of NamedShardings (params tp-sharded, replicated over DP or split
+        over it where they rest sharded; on the flat path there one array per flat bucket, see
+        `full_params`; optimizer state per the strategy and path; step replicated).
+      init_opt: the state's params -> ZeroState, to call under jit (see `init_state`).
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
-      grads: jitted (params, batch) -> the reduced grads as the optimizer reads them (spec:
+      grads: jitted (state params, batch) -> the reduced grads as the optimizer reads them (spec:
         per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
-        [ep * tp, S_b] expert, split over the bucket's DP domain unless no_shard), of the loss
+        [ep * tp, S_b] expert ([L, ...] a scanned stack's), split over the bucket's DP domain
+        unless no_shard), of the loss
         unscaled: with fp16 params small ones may underflow where the step's scaled ones do not.
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout, all in device memory), where `to_model_space` puts it.
-      evaluate: jitted (params, batch) -> {"loss", **metrics} replicated: the loss as the step
+      evaluate: jitted (state params, batch) -> {"loss", **metrics} replicated: the loss as the step
         computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
         the same params and batch it is the step's "loss".
       offload: which optimizer-state leaves live in host memory (`common/offload.py`; their
         `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
+      to_state: the params tree -> what `TrainState.params` holds, None where that is the tree.
+
+    `TrainState.params` is the params tree on the spec path and wherever the flat path keeps the
+    params whole (DDP; ZeRO-1/2 without `overlap_param_gather`). Where the flat path's params rest
+    sharded (ZeRO-3; ZeRO-1/2 with `overlap_param_gather`, the default with overlap) it holds one
+    array per flat bucket instead, which the step's forward gathers per unit; `full_params(state.params)`
+    reads them as the params tree (checkpoints, `jzero layout` readers and users do), `params_from_model`
+    is its inverse, and `evaluate`, `grads` and `init_opt` take what the state holds.
     """
 
     config: ZeroConfig
@@ -73,11 +86,12 @@ class Zero:
     groups: PyTree | None
     model_opt_shardings: ZeroState
     offload: Offload
-    shardings: TrainState  # these five: the path's `state.Programs`
+    shardings: TrainState  # these six: the path's `state.Programs`
     init_opt: Callable[[PyTree], ZeroState]
     step: Callable
     grads: Callable
     evaluate: Callable
+    to_state: Callable | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -89,7 +103,41 @@ class Zero:
 
     def init_state(self, init_params: Callable[[], PyTree]) -> TrainState:
         """The train state from `init_params()` (traced), born in its shardings."""
-        return init_train_state(init_params, self.init_opt, self.shardings)
+        return init_train_state(init_params, self.init_opt, self.shardings, self.to_state)
+
+    @property
+    def model_param_shardings(self) -> PyTree:
+        """The NamedShardings of the params tree in model space, where `full_params` puts it and
+        checkpoints hold it: tp-split; replicated over DP, or split over the inner DP axes where the
+        params rest sharded (`strategies.ShardingPlan.param_shardings`)."""
+        return self.plan.param_shardings()
+
+    @property
+    def params_in_state(self) -> bool:
+        """Whether `TrainState.params` is the params tree itself (else the flat path's resting bucket shards)."""
+        return self.to_state is None
+
+    def full_params(self, params: PyTree) -> PyTree:
+        """What `TrainState.params` holds -> the params tree (global shapes, model dtypes), in
+        `model_param_shardings`: the params themselves on the spec path and where the flat path keeps them
+        whole; its resting bucket shards laid back into the params (`flat/state.to_model_params`) under ZeRO-3
+        and ZeRO-1/2 with `overlap_param_gather`. Jitted; read `state.params` through it."""
+        if self.params_in_state:
+            return params
+        return self._conversions[0](params)
+
+    @functools.cached_property
+    def _conversions(self) -> tuple[Callable, Callable]:
+        """`full_params`'s and `params_from_model`'s jitted conversions, built once."""
+        to_model = jax.jit(functools.partial(to_model_params, self.flat), out_shardings=self.model_param_shardings)
+        from_model = jax.jit(functools.partial(from_model_params, self.flat), out_shardings=self.shardings.params)
+        return to_model, from_model
+
+    def params_from_model(self, params: PyTree) -> PyTree:
+        """Inverse of `full_params`: the params tree -> what `TrainState.params` holds, in `shardings.params`."""
+        if self.params_in_state:
+            return params
+        return self._conversions[1](params)
 
     def to_model_space(self, opt_state: ZeroState) -> ZeroState:
         """The optimizer state per parameter in global shapes, in device memory (identity on the spec
@@ -165,9 +213,12 @@ def build_zero(
       units: same structure, per param None (in no FSDP unit) or its number of leading
         stacked-layer dims: 0 for one block's param, 1 for a `scan`ned stack [L, ...]. The
         loss must run each unit through `jzero.zero.unit` (`GPTModel.units` marks its
-        blocks). Under ZeRO-2/3 a unit's grads are then reduce-scattered as soon as its
-        backward is done, and ZeRO-3 gathers its params just before it runs. Default: no
-        units (ZeRO-3 gathers every param before the loss, ZeRO-2 reduces after backward).
+        blocks). Under ZeRO-2/3 (and DDP/ZeRO-1 with `overlap_grad_reduce`) a unit's grads are
+        then reduced as soon as its backward is done, and ZeRO-3 gathers its params just
+        before it runs. The flat path lays out one set of buffers per unit, a unit being the
+        params that share their path up to its first integer key (`blocks/3`), or their first
+        key (`blocks`, a scanned stack): `flat/plan.unit_key`. Default: no units (ZeRO-3
+        gathers every param before the loss, ZeRO-2 reduces after backward).
       groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.
       clip_grad: global-norm clipping across shards (Megatron's), None = off.
       microbatches: gradient accumulation steps per `step`.
@@ -184,23 +235,22 @@ def build_zero(
             "float16 params need loss scaling (their grads underflow without it): pass "
             "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
         )
-    gather_in_forward = zero.gathers_in_forward and zero.path == ZeroPath.SPEC
     plan = make_plan(
-        mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy, gather_in_forward
+        mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy, zero.gathers_in_forward
     )
     check_groups_read(inner, plan, groups)
     quantized = zero.param_gather_dtype is not None
     model_opt_sh = opt_state_shardings(inner, plan, loss_scale, quantized)
     flat = None
     if zero.path == ZeroPath.FLAT:
-        flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw)
+        per_unit = zero.overlap_grad_reduce or plan.params_rest_sharded
+        flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, per_unit, plan.params_rest_sharded)
         check_elementwise(inner, plan, groups)  # before any layout of its state: the error names the transformation
         flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
         offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(
-            loss_fn, inner, flat, options, groups=groups, param_gather_dtype=zero.param_gather_dtype,
-            offload=offload if offload.active else None,
-        )  # fmt: skip
+            loss_fn, inner, flat, options, zero, groups=groups, offload=offload if offload.active else None
+        )
     else:
         offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
         built = build_spec_step(

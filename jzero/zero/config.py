@@ -81,7 +81,8 @@ class ZeroConfig:
     overlap_grad_reduce: bool = True
     # Megatron's overlap_param_gather (ZeRO-1/2): the step leaves the updated params sharded and the next
     # step's forward gathers each unit's just before it runs. None: as overlap_grad_reduce (Megatron
-    # needs it on); ignored by no_shard (no gather) and optim_grads_params (which always does this).
+    # needs it on), but off with param_gather_dtype (whose quantized gather follows the step); ignored
+    # by no_shard (no gather) and optim_grads_params (which always does this).
     overlap_param_gather: bool | None = None
 
     def __post_init__(self):
@@ -107,10 +108,11 @@ class ZeroConfig:
                 "zero.overlap_param_gather=true needs zero.overlap_grad_reduce=true (as Megatron's); "
                 "set zero.overlap_param_gather=false, or leave it null to follow overlap_grad_reduce"
             )
-        if self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and self.path == ZeroPath.FLAT:
+        if self.param_gather_dtype is not None and (self.shards_params or self.overlap_param_gather):
+            why = "zero.strategy=optim_grads_params" if self.shards_params else "zero.overlap_param_gather=true"
             raise ConfigError(
-                "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no "
-                "per-unit buckets yet"
+                f"zero.param_gather_dtype={self.param_gather_dtype.value} quantizes the gather after the optimizer "
+                f"step; with {why} the params are gathered in the forward instead (in the param dtype)"
             )
 
     @property
@@ -129,7 +131,9 @@ class ZeroConfig:
     @property
     def gathers_in_forward(self) -> bool:
         """ZeRO-1/2 with overlap_param_gather (its None resolved): the params rest sharded between steps."""
-        overlap = self.overlap_grad_reduce if self.overlap_param_gather is None else self.overlap_param_gather
+        overlap = self.overlap_param_gather
+        if overlap is None:
+            overlap = self.overlap_grad_reduce and self.param_gather_dtype is None
         return overlap and self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
 
 

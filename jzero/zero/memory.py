@@ -14,7 +14,8 @@ over edp = dp_outer x dp), with P_local the params one model-parallel rank holds
   `zero.outer_strategy: optim`, which also splits the state and the reduced grads across
   dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d, the ZeRO paper's stage 3,
   (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
-  sum over the domains.
+  sum over the domains. The flat path's P_local is its padded buckets' elements wherever it holds
+  buckets (the state, the grads, params resting as bucket shards; `flat_numel_by_domain`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
     Returns: {"dense": ..., "expert": ...} (only the domains that hold params), each {axes,
     d (the domain's size), d_state (what the state and sharded grads are split over), d_params
     (what ZeRO-3's params are split over), numel (P_local), params, main_params,
-    optimizer_moments, grads} (bytes per device); `ddp` gives DDP's (every d 1).
+    optimizer_moments, grads} (bytes per device); `ddp` gives DDP's (every d 1). On the flat path the
+    state, the grads and the params where they rest as bucket shards count its padded buckets
+    (`flat_numel_by_domain`), as it holds them; `numel` stays the params' own P_local.
     """
     plan = zero.plan
     tensors = jax.tree.leaves(plan.tensors)
@@ -82,8 +85,11 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
     total_numel = sum(t.numel for t in jax.tree.leaves(plan.tensors))
     moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
     outer = (OUTER_AXIS,) if plan.mesh.shape[OUTER_AXIS] > 1 else ()
+    padded = {} if zero.flat is None or ddp else flat_numel_by_domain(zero.flat)
     out = {}
     for axes, p in plan.numel_by_domain().items():
+        s = padded.get(axes, p)  # the flat path steps, reduces and stores its buckets, padding included
+        p_params = s if zero.flat is not None and zero.flat.params_rest_sharded and not ddp else p
         d = axes_size(plan.mesh, axes)
         d_params = axes_size(plan.mesh, tuple(a for a in axes if a not in outer))
         d_state = d if plan.outer_strategy == OuterStrategy.OPTIM else d_params
@@ -98,12 +104,21 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
             "d_state": d_state,
             "d_params": d_params,
             "numel": p,
-            "params": p * param_b / shard_params,
-            "main_params": p * main_b / shard_state,
-            "optimizer_moments": p * moment_b / shard_state,
-            "grads": p * grad_b / shard_grads,
+            "params": p_params * param_b / shard_params,
+            "main_params": s * main_b / shard_state,
+            "optimizer_moments": s * moment_b / shard_state,
+            "grads": s * grad_b / shard_grads,
         }
     return dict(sorted(out.items()))  # dense before expert
+
+
+def flat_numel_by_domain(fp) -> dict[tuple[str, ...], int]:
+    """The flat path's P_local per data-parallel domain as it lays it out: every group's buckets, padding
+    (64-element param starts, bucket ends at lcm(d, 128)) and every layer of a stacked group included."""
+    out: dict[tuple[str, ...], int] = {}
+    for buf in fp.buffers:
+        out[buf.dp_axes] = out.get(buf.dp_axes, 0) + math.prod(buf.lead) * buf.layout.numel
+    return out
 
 
 def formula_host(zero: Zero) -> dict:

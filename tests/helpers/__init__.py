@@ -9,6 +9,7 @@ reference, jzero's run of a config, and the check of one against the other
     helpers/commands.py         `jzero hlo` / `jzero memory` run in-process, on a 1-layer GPT
     helpers/programs.py         small real programs the inspect tests compile (CPU, deviceless H100)
     helpers/megatron_writer.py  Megatron's indexed-dataset writer, transcribed (the fixtures in tests/data)
+    helpers/checkpoints.py      a run saved and restored in-process, across stages, paths and meshes
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import optax
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jzero.config import Config, OptimizerName, from_dict
+from jzero.config import Config, OptimizerName, from_dict, validate
 from jzero.mesh import MeshConfig
 from jzero.optim import lr_schedule, param_groups
 from jzero.train.loop import Run, setup
@@ -59,6 +60,18 @@ def tiny_config(strategy="optim_grads", mesh=(8, 1, 1), microbatches=1, **sectio
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return from_dict(raw)
+
+
+def flat_config(strategy, mesh=(8, 1, 1), microbatches=1, dp_outer=1, model=None, precision=None, **zero) -> Config:
+    """`tiny_config` on the flat path, with `zero` settings, `dp_outer` and a batch 3 micro-batches divide;
+    validated."""
+    cfg = tiny_config(
+        strategy, mesh, microbatches, model=model or {}, zero={"path": "flat", **zero}, precision=precision or {},
+        train={"global_batch": 24 if microbatches == 3 else 16},
+    )  # fmt: skip
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=dp_outer))
+    validate(cfg)
+    return cfg
 
 
 def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
@@ -217,12 +230,13 @@ def init_state(run: Run) -> TrainState:
 
 
 def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None = None):
-    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state).
+    """Trains `steps` steps with jzero; returns (run, initial params, losses, norms, state), the params
+    (initial, and the state's) read as the params tree (`Zero.full_params`).
 
     record: if given, each step's metrics (floats) are appended to it."""
     run = setup(cfg, devices)
     state = init_state(run)
-    init = jax.device_get(state.params)
+    init = jax.device_get(run.zero.full_params(state.params))
     losses, norms = [], []
     for i in range(steps):
         state, m = run.zero.step(state, run.device_batch(i))
@@ -230,7 +244,7 @@ def run_steps(cfg: Config, steps: int = STEPS, devices=None, record: list | None
         norms.append(float(m["grad_norm"]))
         if record is not None:
             record.append({k: float(v) for k, v in m.items()})
-    return run, init, np.array(losses), np.array(norms), state
+    return run, init, np.array(losses), np.array(norms), state._replace(params=run.zero.full_params(state.params))
 
 
 def rel_param_errors(params, ref) -> dict[str, float]:

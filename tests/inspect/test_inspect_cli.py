@@ -34,8 +34,9 @@ def test_flat_path_collectives_are_the_buffers(tmp_path, capsys):
     """Flat path on 8 CPU devices: the DP collectives move exactly Megatron's padded buffer."""
     from jzero.inspect.compile import setup_without_data
 
-    doc = hlo_doc(tmp_path, "--path", "flat", "--strategies", "no_shard,optim_grads")
-    cfg = load_config(None, ["zero.path=flat", *TINY])
+    whole = ["--set", "zero.overlap_grad_reduce=false"]  # one layout over the whole model, one bucket
+    doc = hlo_doc(tmp_path, "--path", "flat", "--strategies", "no_shard,optim_grads", *whole)
+    cfg = load_config(None, ["zero.path=flat", "zero.overlap_grad_reduce=false", *TINY])
     fp = setup_without_data(cfg, None).zero.flat
     buffer_bytes = 4 * fp.layout.bucket_indices[-1][1]  # fp32 grads and params, one bucket, padded
     d = 8

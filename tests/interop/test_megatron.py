@@ -99,7 +99,7 @@ def test_first_ten_steps_match_megatron(variant):
     state, losses, norms = train(zero, init_state(zero, registration_order=True), 1, CHECKPOINT_STEP)
     assert_trace(losses, norms, trace(variant))
     final = final_params(variant)
-    for name, x in zip(ORDER, jax.device_get(state.params)):
+    for name, x in zip(ORDER, jax.device_get(zero.full_params(state.params))):
         assert_close(x, final[name], name)
     adam = state.opt_state.inner_state[0]
     assert int(adam.count) == CHECKPOINT_STEP
@@ -172,7 +172,7 @@ def _continue(variant, fmt, path, strategy, dp):
     state, losses, norms = train(zero, state, CHECKPOINT_STEP + 1, CHECKPOINT_STEP + 5)
     assert_trace(losses, norms, trace(variant, continued=True))
     final = final_params(variant, continued=True)
-    for name, x in by_name(jax.device_get(state.params)).items():
+    for name, x in by_name(jax.device_get(zero.full_params(state.params))).items():
         assert_close(x, final[name], name)
     return zero, state
 
@@ -229,7 +229,7 @@ def test_export_is_megatrons_file_and_reads_back(variant, tmp_path):
     megatron.save(tmp_path / "out", state, zero, NAMES, hyperparams=HYPERPARAMS, bucket_size=bucket_size, order=ORDER)
     back = megatron.read(tmp_path / "out", bucket_size=bucket_size)
     assert back.iteration == back.adam_step == CHECKPOINT_STEP + 5
-    params = by_name(jax.device_get(state.params))
+    params = by_name(jax.device_get(zero.full_params(state.params)))
     model_opt = jax.device_get(zero.to_model_space(state.opt_state)).inner_state[0]
     for name in ORDER:
         np.testing.assert_array_equal(back.model[name], params[name])
@@ -349,7 +349,7 @@ def test_bf16_run_moves_exactly(fmt, tmp_path):
         main = {k: f[k] for k in f.files}
     zero = build("bucket1000", "optim_grads", "flat", 8, dtype=jnp.bfloat16)
     state = megatron.load(DATA / BF16 / FORMATS[fmt], zero, NAMES, bucket_size=1000)
-    for name, x in by_name(jax.device_get(state.params)).items():
+    for name, x in by_name(jax.device_get(zero.full_params(state.params))).items():
         assert x.dtype == jnp.bfloat16
         np.testing.assert_array_equal(x.astype(np.float32), weights[name])
     model_opt = jax.device_get(zero.to_model_space(state.opt_state))

@@ -149,7 +149,7 @@ def test_megatron_trained_gpt_into_jzero(fmt):
         np.testing.assert_array_equal(x, expected[f"param/{name}"])
     state = megatron.to_train_state(ck, run.zero, names)
     assert int(state.step) == 2
-    assert_logits(cfg.model, jax.device_get(state.params), expected)
+    assert_logits(cfg.model, jax.device_get(run.zero.full_params(state.params)), expected)
 
 
 def _yaml(tmp_path: Path, model: dict) -> Path:

@@ -69,9 +69,9 @@ def test_each_stage_shards_what_megatrons_table_says(strategy, state, grads, par
             "zero.param_gather_dtype=int8: zero.strategy=no_shard gathers no params",
         ),
         (
-            {"strategy": "optim_grads_params", "path": "flat"},
-            "zero.strategy=optim_grads_params (ZeRO-3) runs on zero.path=spec only; the flat path has no per-unit "
-            "buckets yet",
+            {"strategy": "optim_grads_params", "path": "flat", "param_gather_dtype": "int8"},
+            "zero.param_gather_dtype=int8 quantizes the gather after the optimizer step; with "
+            "zero.strategy=optim_grads_params the params are gathered in the forward instead (in the param dtype)",
         ),
     ],
 )

@@ -17,10 +17,14 @@ MESHES = [(8, 1, 1), (4, 1, 2)]
 STRATEGIES = ["no_shard", "optim", "optim_grads"]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("strategy, mesh, microbatches, path", matrix(MESHES))
 @pytest.mark.matrix
-def test_matches_single_device_optax(strategy, mesh, microbatches, path):
-    assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero={"path": path}))
+def test_matches_single_device_optax(strategy, mesh, microbatches, path, overlap):
+    """overlap: zero.overlap_grad_reduce (and overlap_param_gather, which follows it): each unit's grads
+    reduced inside the backward (the flat path's buffers per unit), or every grad after it."""
+    zero = {"path": path, "overlap_grad_reduce": overlap}
+    assert_matches_reference(tiny_config(strategy, mesh, microbatches, zero=zero))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -83,7 +87,7 @@ def test_validation_loss_matches_single_device(strategy, mesh, dp_outer, microba
     run = setup(cfg)
     rng = np.random.default_rng(0)  # any params will do (no init program to compile): N(0, 0.1^2) each
     params = jax.tree.map(lambda p: rng.normal(0, 0.1, p.shape).astype(p.dtype), run.model.abstract_params())
-    got = run.zero.evaluate(jax.device_put(params, run.zero.shardings.params), run.device_batch(STEPS))
+    got = run.zero.evaluate(run.zero.params_from_model(params), run.device_batch(STEPS))
     groups = (cfg.dp_domain_size, microbatches) if cfg.model.moe.num_experts else (1, 1)  # MoE routes per microbatch
     want = jax.jit(grouped_loss(run.model, groups))(params, run.dataset.batch(STEPS))
     np.testing.assert_allclose(float(got["loss"]), float(want), rtol=1e-5)

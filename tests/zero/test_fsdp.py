@@ -12,7 +12,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import MOE, assert_matches_reference, tiny_config
+from helpers import MOE, PATHS, assert_matches_reference, flat_config, tiny_config
+from helpers.checkpoints import restore_matches, train_and_save
 from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.mesh import MeshConfig, make_mesh
@@ -24,6 +25,7 @@ from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroConfig, ZeroPath
 
 ZERO3 = "optim_grads_params"
+SCAN = {"scan_layers": True, "remat": True}
 
 
 def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **sections):
@@ -45,10 +47,11 @@ def hsdp_config(strategy, mesh, microbatches=1, outer="no_shard", zero=None, **s
     ],
     ids=["dp8", "dp4-tp2-scan", "dp2-ep2-tp2-moe"],
 )
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.matrix
-def test_zero3_matches_single_device_optax(mesh, model, microbatches):
+def test_zero3_matches_single_device_optax(mesh, model, microbatches, path):
     # reshard_after_forward: false, and a model's own units: test_user_model_units_match_plain_optax
-    assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model))
+    assert_matches_reference(tiny_config(ZERO3, mesh, microbatches, model=model, zero={"path": path}))
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,8 @@ def test_zero3_matches_single_device_optax(mesh, model, microbatches):
         ("optim", (2, 1, 2), 1, "optim", "spec"),  # DDP / ZeRO-1: one sum over all DP, XLA's collectives
         ("optim_grads", (4, 1, 1), 2, "no_shard", "flat"),  # psum_scatter inner, psum across dp_outer
         ("optim_grads", (2, 2, 1), 1, "optim", "flat"),  # MoE: the expert buffer's inner domain is dp
+        (ZERO3, (4, 1, 1), 2, "no_shard", "flat"),  # bucket shards gathered over the inner axes only
+        (ZERO3, (2, 1, 2), 1, "optim", "flat"),  # the state split across dp_outer too
     ],
 )
 @pytest.mark.matrix
@@ -141,9 +146,11 @@ def _bytes_per_device(shardings, tensors) -> int:
         (tiny_config(ZERO3, (4, 1, 2)), 4, 4),
         (hsdp_config(ZERO3, (4, 1, 1), outer="no_shard"), 4, 4),  # replicated across dp_outer
         (hsdp_config(ZERO3, (4, 1, 1), outer="optim"), 4, 8),  # state split across dp_outer too
-        (hsdp_config("optim_grads", (4, 1, 1), outer="optim"), 1, 8),
+        # ZeRO-2 with overlap_param_gather (it follows overlap_grad_reduce): the params rest split over dp
+        (hsdp_config("optim_grads", (4, 1, 1), outer="optim"), 4, 8),
+        (hsdp_config("optim_grads", (4, 1, 1), outer="optim", zero={"overlap_grad_reduce": False}), 1, 8),
     ],
-    ids=["zero3-dp8", "zero3-dp4-tp2", "hsdp-no_shard", "hsdp-optim", "hsdp-zero2-optim"],
+    ids=["zero3-dp8", "zero3-dp4-tp2", "hsdp-no_shard", "hsdp-optim", "hsdp-zero2-optim", "hsdp-zero2-optim-whole"],
 )
 def test_per_device_bytes_are_ddps_over_the_sharding_degree(cfg, d_params, d_state):
     """Model params and fp32 state per device, from the run's shardings, are DDP's divided by the
@@ -162,58 +169,68 @@ def test_per_device_bytes_are_ddps_over_the_sharding_degree(cfg, d_params, d_sta
 # ---------------------------------------------------------------- checkpoints between stages
 
 
-def _train_and_save(directory, cfg, steps=2):
-    run = setup(cfg)
-    state = run.init_state()
-    for i in range(steps):
-        state, _ = run.zero.step(state, run.device_batch(i))
-    ck = Checkpointer(directory, run, async_save=False)
-    ck.save(state, cfg)
-    whole = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), ck._model_state(state))
-    ck.close()
-    return whole
-
-
-def _restore_matches(directory, whole, cfg, steps=2, train=False):
-    """Every device's shard of every saved array (params, moments) is the saved slice at its index."""
-    run = setup(cfg)
-    reader = Checkpointer(directory, run, writer=False)
-    state = reader.restore(steps)
-    restored = reader._model_state(state)
-    reader.close()
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(whole)[0]]
-    for path, x, saved in zip(paths, jax.tree.leaves(restored), jax.tree.leaves(whole)):
-        for shard in getattr(x, "addressable_shards", []):
-            np.testing.assert_array_equal(np.asarray(shard.data), saved[shard.index], err_msg=path)
-    if train:
-        _, m = run.zero.step(state, run.device_batch(steps))
-        assert np.isfinite(float(m["loss"]))
-
-
 @pytest.mark.slow
 def test_checkpoints_move_between_zero3_hsdp_and_the_other_stages(tmp_path):
     """A ZeRO-3 (4, 1, 2) checkpoint restores onto HSDP ZeRO-3 optim (2 x 2 x tp 2), which trains on.
     Checkpoints are in model space, so any stage restores onto any other (the flat path's side of
     that: test_checkpoint.py, test_moe.py)."""
     bf16 = {"precision": {"param_dtype": "bfloat16"}, "model": {"scan_layers": True}}  # fp32 main params too
-    whole = _train_and_save(tmp_path / "a", tiny_config(ZERO3, (4, 1, 2), **bf16))
+    whole = train_and_save(tmp_path / "a", tiny_config(ZERO3, (4, 1, 2), **bf16))
     assert "main_params" in whole
-    _restore_matches(tmp_path / "a", whole, hsdp_config(ZERO3, (2, 1, 2), outer="optim", **bf16), train=True)
+    restore_matches(tmp_path / "a", whole, hsdp_config(ZERO3, (2, 1, 2), outer="optim", **bf16), train=True)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_flat_units_the_spec_path_and_flat_without_overlap(tmp_path):
+    """Model space both ways: a flat per-unit ZeRO-3 checkpoint (bucket-shard params, stacked buckets)
+    restores onto the spec path's ZeRO-2 and onto the flat path's ZeRO-1 without overlap (one layout),
+    and theirs onto flat ZeRO-3, every shard the saved slice."""
+    bf16 = {"precision": {"param_dtype": "bfloat16"}}
+    flat3 = flat_config(ZERO3, (4, 1, 2), model=SCAN, precision=bf16["precision"])
+    whole = train_and_save(tmp_path / "a", flat3)
+    assert "main_params" in whole
+    restore_matches(tmp_path / "a", whole, tiny_config("optim_grads", (8, 1, 1), model=SCAN, **bf16), train=True)
+    off = tiny_config("optim", (4, 1, 2), model=SCAN, zero={"path": "flat", "overlap_grad_reduce": False}, **bf16)
+    restore_matches(tmp_path / "a", whole, off)
+    whole = train_and_save(tmp_path / "b", off)
+    restore_matches(tmp_path / "b", whole, flat3, train=True)
+
+
+@pytest.mark.slow
+def test_flat_zero3_resumes_bitwise(tmp_path):
+    """Two steps, a checkpoint, one more step: the same state as three steps straight."""
+    cfg = flat_config(ZERO3, (4, 1, 2), model=SCAN)
+    run = setup(cfg)
+    state = run.init_state()
+    for i in range(2):
+        state, _ = run.zero.step(state, run.device_batch(i))
+    ck = Checkpointer(tmp_path / "ck", run, async_save=False)
+    ck.save(state, cfg)
+    ck.close()
+    straight, _ = run.zero.step(state, run.device_batch(2))
+    reader = Checkpointer(tmp_path / "ck", run, writer=False)
+    resumed, _ = run.zero.step(reader.restore(2), run.device_batch(2))
+    reader.close()
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---------------------------------------------------------------- refusals
 
 
-def test_the_flat_path_refuses_zero3():
-    cfg = tiny_config(ZERO3, (8, 1, 1))
-    with pytest.raises(ConfigError, match="zero.path=spec only"):
-        setup(dataclasses.replace(cfg, zero=ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT)))
+def test_the_flat_paths_zero3_refuses_only_a_quantized_gather():
+    """Flat ZeRO-3 builds (its params rest as bucket shards, gathered per unit in the forward); the
+    quantized gather after the optimizer step (`zero.param_gather_dtype`) has no place there."""
+    z = setup(tiny_config(ZERO3, (8, 1, 1), zero={"path": "flat"}), with_data=False).zero
+    assert z.flat.params_rest_sharded and not z.params_in_state
+    with pytest.raises(ConfigError, match="params are gathered in the forward"):
+        ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT, param_gather_dtype="int8")
 
 
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["zero.strategy=optim_grads_params", "zero.path=flat"], "zero.path=spec only"),
+        (["zero.strategy=optim_grads_params", "zero.path=flat", "zero.param_gather_dtype=int8"], "in the forward"),
         (["zero.outer_strategy=everything"], "zero.outer_strategy"),
         (["mesh.dp_outer=3"], "mesh"),
     ],

@@ -14,6 +14,7 @@ from jzero.inspect.compile import CPU
 from jzero.mesh import BATCH_AXES, axes_size
 from jzero.zero.common.strategies import restrict
 from jzero.zero.config import ZeroPath
+from jzero.zero.memory import flat_numel_by_domain
 
 
 def collect(c, static: Traffic, per_step: Traffic, theory: Theory, rows: list[CollectiveRow]) -> list[str]:
@@ -130,12 +131,15 @@ def _layout(c) -> list[str]:
         )
     fp = c.run.zero.flat
     if fp is not None:
-        numel = plan.numel_by_domain()
-        for buf in fp.buffers:
-            size, ranks = buf.layout.numel, " x ".join(buf.model_axes)
+        numel, padded = plan.numel_by_domain(), flat_numel_by_domain(fp)
+        for kind in dict.fromkeys(buf.kind for buf in fp.buffers):
+            bufs = [buf for buf in fp.buffers if buf.kind == kind]
+            buf, size = bufs[0], padded[bufs[0].dp_axes]
+            per = f" in {len(fp.groups)} groups (FSDP units and the rest)" if fp.per_unit else ""
             out.append(
-                f"flat {buf.kind} buffer: {size} elements per {ranks} rank in {buf.n_buckets} bucket(s), "
-                f"{size - numel[buf.dp_axes]} of them padding (64-element param starts, bucket ends at multiples "
-                f"of lcm({'d' if buf.kind == 'dense' else 'edp'}={buf.d}, 128)), which travels too"
+                f"flat {kind} buffers: {size} elements per {' x '.join(buf.model_axes)} rank{per}, "
+                f"{sum(b.n_buckets for b in bufs)} bucket(s), {size - numel[buf.dp_axes]} of them padding (64-element "
+                f"param starts, bucket ends at multiples of lcm({'d' if kind == 'dense' else 'edp'}={buf.d}, 128)), "
+                "which travels too"
             )
     return out

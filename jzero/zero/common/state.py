@@ -33,7 +33,10 @@ class ZeroState(NamedTuple):
 
 
 class TrainState(NamedTuple):
-    """params: the model copy (tp-sharded, replicated over DP); opt_state: `ZeroState`; step: scalar."""
+    """params: the model copy: the params tree (tp-sharded; replicated over DP, or split over it where
+    the params rest sharded), or, on the flat path where they rest sharded, one array per flat bucket
+    (`flat/state.py`; `Zero.full_params` reads them as the params tree); opt_state: `ZeroState`;
+    step: scalar."""
 
     params: PyTree
     opt_state: ZeroState
@@ -46,6 +49,7 @@ class Programs(NamedTuple):
     shardings: a TrainState of NamedShardings. init_opt: params -> ZeroState, called under jit.
     step: jitted (state, batch) -> (state, metrics). grads: jitted (params, batch) -> the reduced
     grads. evaluate: jitted (params, batch) -> {"loss", **metrics}, the step's forward without grads.
+    to_state: traceable params tree -> what `TrainState.params` holds, or None (the tree itself).
     """
 
     shardings: TrainState
@@ -53,6 +57,7 @@ class Programs(NamedTuple):
     step: Callable
     grads: Callable
     evaluate: Callable
+    to_state: Callable | None = None
 
 
 def with_metrics(loss_fn: LossFn, has_aux: bool) -> Callable[..., tuple[jax.Array, dict]]:
@@ -72,18 +77,23 @@ def keeps_main_params(abstract_params: PyTree, quantized_gather: bool = False) -
 
 
 def init_train_state(
-    init_params: Callable[[], PyTree], init_opt: Callable[[PyTree], ZeroState], shardings: TrainState
+    init_params: Callable[[], PyTree],
+    init_opt: Callable[[PyTree], ZeroState],
+    shardings: TrainState,
+    to_state: Callable[[PyTree], PyTree] | None = None,
 ) -> TrainState:
     """Builds the state jitted straight into its shardings: nothing is materialised whole.
 
     Arguments:
       init_params: () -> params (global shapes), traced under jit.
-      init_opt: params -> `ZeroState` (the path's optimizer init).
+      init_opt: the state's params -> `ZeroState` (the path's optimizer init).
       shardings: a TrainState of NamedShardings.
+      to_state: the params tree -> what the state holds (`Programs.to_state`), None: the tree.
     """
 
     def init():
         params = init_params()
+        params = params if to_state is None else to_state(params)
         return TrainState(params, init_opt(params), jnp.zeros((), jnp.int32))
 
     return jax.jit(init, out_shardings=shardings)()

@@ -31,6 +31,13 @@ outer_strategy no_shard) or reduce-scatter it there too (outer_strategy optim). 
 (`RESHARD_POLICY`): they are gathered again when the unit's backward runs, as FSDP2 does.
 Params outside every unit (embeddings, final norm, head) are materialized by the step before the
 loss runs, and their grads reduced when their backward is complete.
+
+The flat path reduces a unit's grads per flat bucket, not per param: the loss gets the whole unit
+as one `GroupParam` leaf (at its first param; `GroupRef`s at the others) holding one `BucketParam`
+per bucket, whose static hook (`GroupHook`, the flat path's `flat/hooks.BucketHook`) gathers the
+bucket, cuts it into its params and, in backward, lays their grads into the bucket and reduces it:
+the same custom_vjp with sinks, carry and extraction, one per bucket. `unit` materializes a unit's
+groups as it materializes its `UnitParam`s.
 """
 
 from __future__ import annotations
@@ -164,9 +171,130 @@ def _reduce(hook: Hook, g: jax.Array) -> jax.Array:
 _materialize.defvjp(_materialize_fwd, _materialize_bwd)
 
 
+# ---------------------------------------------------------------- a unit's params as one group (flat path)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BucketParam:
+    """One flat bucket of a unit as the loss sees it inside the flat path's step: like `UnitParam`, for
+    a bucket of several params materialized and reduced together by its static `hook` (a `GroupHook`).
+
+    value: what the hook gathers: the bucket's params (as they rest whole), this rank's shard of the
+      bucket, or the whole bucket already gathered (handed on by an earlier micro-batch).
+    sink, acc, gsink: as `UnitParam`'s, shaped like the bucket (or its owned shard).
+    """
+
+    value: Any
+    sink: jax.Array
+    hook: Any = dataclasses.field(metadata=dict(static=True))
+    acc: jax.Array | None = None
+    gsink: jax.Array | None = None
+
+
+class GroupHook:
+    """What a `BucketParam`'s hook does (the flat path's `flat/hooks.BucketHook`); static and hashable.
+
+    gather(value) -> full: the bucket as one array (or the params, when they rest whole);
+    split(full) -> tuple: its params as the model computes with them, in the bucket's order;
+    reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (tuple, the bucket's order);
+    extract / keep / reshard: as `Hook`'s (the gsink's cotangent is `full`).
+    """
+
+    extract: bool = False
+    keep: bool = False
+    reshard: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupParam:
+    """A whole unit's params as one leaf, at the place of its first param: its buckets, materialized
+    together when the unit runs. The unit's other params are `GroupRef`s to it.
+
+    members: per param of the unit (the group's order, this leaf's first), (bucket, position in the
+    bucket's params).
+    """
+
+    buckets: tuple[BucketParam, ...]
+    key: str = dataclasses.field(metadata=dict(static=True))
+    members: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupRef:
+    """A unit's param other than its first: member `member` of the `GroupParam` named `key` (no arrays)."""
+
+    key: str = dataclasses.field(metadata=dict(static=True))
+    member: int = dataclasses.field(metadata=dict(static=True))
+
+
+def is_unit_leaf(x) -> bool:
+    return isinstance(x, (UnitParam, GroupParam, GroupRef))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _materialize_bucket(hook: GroupHook, value, sink: jax.Array, acc, gsink) -> tuple:
+    return hook.split(hook.gather(value))
+
+
+def _bucket_fwd(hook, value, sink, acc, gsink):
+    full = hook.gather(value)
+    return hook.split(full), (acc, full if hook.extract else None)
+
+
+def _bucket_bwd(hook, residuals, g):
+    """The bucket's params' grads -> the sink's cotangent (reduced, or this rank's own) and, when
+    extracting, the gathered bucket as the gsink's."""
+    acc, full = residuals
+    return None, hook.reduce_grads(tuple(g), acc), None, full
+
+
+_materialize_bucket.defvjp(_bucket_fwd, _bucket_bwd)
+
+
+def _group_arrays(g: GroupParam) -> list[jax.Array]:
+    """A `GroupParam`'s params (the group's order), each bucket materialized by its hook."""
+    out = [_materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink) for b in g.buckets]
+    return [out[b][pos] for b, pos in g.members]
+
+
 def materialize(x):
     """A `UnitParam`'s whole param, as the model computes with it (other leaves unchanged)."""
     return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink) if isinstance(x, UnitParam) else x
+
+
+def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: True) -> PyTree:
+    """`tree` with its `UnitParam`s, and the `GroupParam`s with their `GroupRef`s, whose hook `which`
+    picks materialized (the rest unchanged). A `GroupRef` whose `GroupParam` is not in `tree` is an error:
+    the unit was given part of a unit's params."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_unit_leaf)
+    groups = {x.key: _group_arrays(x) for x in leaves if isinstance(x, GroupParam) and which(x.buckets[0].hook)}
+    known = {x.key for x in leaves if isinstance(x, GroupParam)}
+
+    def one(x):
+        if isinstance(x, UnitParam):
+            return materialize(x) if which(x.hook) else x
+        if isinstance(x, (GroupParam, GroupRef)) and x.key not in known:
+            raise ValueError(
+                f"jzero.zero.unit: got part of the params of unit {x.key!r} (the flat path groups a unit's params by "
+                "`flat/plan.unit_key`: their path up to its first integer key); pass all of them to one unit call"
+            )
+        if isinstance(x, GroupParam):
+            return groups[x.key][0] if x.key in groups else x
+        if isinstance(x, GroupRef):
+            return groups[x.key][x.member] if x.key in groups else x
+        return x
+
+    return treedef.unflatten([one(x) for x in leaves])
+
+
+def _hooks(params: PyTree) -> list:
+    leaves = jax.tree.leaves(params, is_leaf=is_unit_leaf)
+    return [x.hook for x in leaves if isinstance(x, UnitParam)] + [
+        b.hook for x in leaves if isinstance(x, GroupParam) for b in x.buckets
+    ]
 
 
 def unit(fn: Callable, params: PyTree, *args, remat: bool = False, **kwargs):
@@ -179,15 +307,13 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, **kwargs):
     kept, as Megatron's persistent params are. A second checkpoint inside the model's own would
     gather ZeRO-3's params a third time, so a model that recomputes its units says so here rather
     than wrapping `unit`."""
-    leaves = [x for x in jax.tree.leaves(params, is_leaf=is_unit_param) if isinstance(x, UnitParam)]
+    hooks = _hooks(params)
 
     def run(params, *args):
-        return fn(jax.tree.map(materialize, params, is_leaf=is_unit_param), *args, **kwargs)
+        return fn(materialize_all(params), *args, **kwargs)
 
     if remat:
-        kept = jax.tree.map(lambda x: materialize(x) if is_unit_param(x) and x.hook.keep else x, params,
-                            is_leaf=is_unit_param)  # fmt: skip
-        return jax.checkpoint(run)(kept, *args)
-    if any(x.hook.reshard for x in leaves):
+        return jax.checkpoint(run)(materialize_all(params, lambda hook: hook.keep), *args)
+    if any(h.reshard for h in hooks):
         return jax.checkpoint(run, policy=RESHARD_POLICY)(params, *args)
     return run(params, *args)

@@ -18,19 +18,29 @@ import jax
 import jax.numpy as jnp
 
 from jzero.zero.common import loss_scale as scaler
-from jzero.zero.flat.plan import FlatBuffer, FlatPlan, values_on_shard
+from jzero.zero.flat.local import values_on_shard
+from jzero.zero.flat.plan import FlatBuffer, FlatPlan
 
 
 def reduce_bucket(buf: FlatBuffer, g: jax.Array) -> jax.Array:
-    """A bucket's DP reduction: [S_b] local grads -> the owned [S_b/d] shard (all [S_b] under DDP)."""
+    """A bucket's DP reduction: [S_b] local grads -> the owned [S_b/d] shard (all [S_b] under DDP); on
+    the last axis, so [L, S_b] -> [L, S_b/d] too."""
     if not buf.sharded:
         return jax.lax.psum(g, buf.dp_axes)
-    g = jax.lax.psum_scatter(g, buf.inner_axes, scatter_dimension=0, tiled=True)
+    last = g.ndim - 1
+    g = jax.lax.psum_scatter(g, buf.inner_axes, scatter_dimension=last, tiled=True)
     if not buf.outer_axes:
         return g
     if set(buf.outer_axes) <= set(buf.shard_axes):
-        return jax.lax.psum_scatter(g, buf.outer_axes, scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(g, buf.outer_axes, scatter_dimension=last, tiled=True)
     return jax.lax.psum(g, buf.outer_axes)
+
+
+def summed_axes(buf: FlatBuffer) -> tuple[str, ...]:
+    """The axes `reduce_bucket` sums over without scattering: its result is invariant over them."""
+    if not buf.sharded:
+        return buf.dp_axes
+    return () if set(buf.outer_axes) <= set(buf.shard_axes) else buf.outer_axes
 
 
 def reduce(fp: FlatPlan, buckets: Sequence[jax.Array]) -> list[jax.Array]:
@@ -38,13 +48,25 @@ def reduce(fp: FlatPlan, buckets: Sequence[jax.Array]) -> list[jax.Array]:
     return [reduce_bucket(buf, g) for (buf, _), g in zip(fp.buckets, buckets)]
 
 
+def gather_outer(buf: FlatBuffer, m: jax.Array) -> jax.Array:
+    """The owned [S_b/d] shard -> this rank's [S_b/d_inner] part of the bucket (`FlatBuffer.param_spec`):
+    gathered across dp_outer where the state is split there (HSDP optim), else `m` itself."""
+    if set(buf.outer_axes) & set(buf.shard_axes):
+        return jax.lax.all_gather(m, buf.outer_axes, axis=m.ndim - 1, tiled=True)
+    return m
+
+
+def gather_inner(buf: FlatBuffer, m: jax.Array) -> jax.Array:
+    """A rank's [S_b/d_inner] part of the bucket -> the whole [S_b] bucket, over the inner DP axes."""
+    return jax.lax.all_gather(m, buf.inner_axes, axis=m.ndim - 1, tiled=True)
+
+
 def gather_bucket(buf: FlatBuffer, m: jax.Array) -> jax.Array:
-    """Inverse of the sharded reduction's layout: the owned [S_b/d] shard -> the whole [S_b] bucket."""
+    """Inverse of the sharded reduction's layout: the owned [S_b/d] shard -> the whole [S_b] bucket
+    (on the last axis)."""
     if not buf.sharded:
         return m
-    if set(buf.outer_axes) & set(buf.shard_axes):
-        m = jax.lax.all_gather(m, buf.outer_axes, tiled=True)
-    return jax.lax.all_gather(m, buf.inner_axes, tiled=True)
+    return gather_inner(buf, gather_outer(buf, m))
 
 
 def bucket_ranks(fp: FlatPlan) -> list[jax.Array]:
@@ -63,9 +85,19 @@ def global_norm(fp: FlatPlan, grads: Sequence[jax.Array], ranks: Sequence[jax.Ar
     tp-replicated elements apart) summed over the axes its elements are distinct on
     (`FlatBuffer.norm_axes`), as Megatron's `get_grad_norm_fp32` counts tp duplicates once."""
     squares: dict[tuple[str, ...], jax.Array] = {}
-    for (buf, _), g, split in zip(fp.buckets, grads, on_shards(fp, fp.tp_sharded, ranks)):
-        for weight, axes in ((split, buf.norm_axes(tp_split=True)), (1 - split, buf.norm_axes(tp_split=False))):
-            squares[axes] = squares.get(axes, 0.0) + jnp.sum(g * g * weight)
+
+    def add(axes, value):
+        squares[axes] = squares.get(axes, 0.0) + value
+
+    for (buf, b), g, rank in zip(fp.buckets, grads, ranks):
+        kinds = {fp.tp_sharded[buf.params[j]] for j in buf.layout.bucket_params[b]}
+        if len(kinds) == 1:  # one kind: no weights (a weight broadcast to a stacked [L, S] would cost memory)
+            add(buf.norm_axes(tp_split=kinds.pop()), jnp.sum(g * g))
+            continue
+        per_position = jnp.sum(g * g, axis=tuple(range(g.ndim - 1)))  # a stacked bucket's layers summed first
+        split = values_on_shard(buf, b, fp.tp_sharded, rank)
+        add(buf.norm_axes(tp_split=True), jnp.sum(per_position * split))
+        add(buf.norm_axes(tp_split=False), jnp.sum(per_position * (1 - split)))
     return jnp.sqrt(sum(jax.lax.psum(sq, axes) if axes else sq for axes, sq in squares.items()))
 
 

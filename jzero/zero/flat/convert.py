@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.zero.common.state import ZeroState
 from jzero.zero.common.strategies import spec_axes
-from jzero.zero.flat.plan import FlatPlan, assemble
+from jzero.zero.flat.local import assemble
+from jzero.zero.flat.plan import FlatPlan
 
 PyTree = Any
 
@@ -78,7 +79,9 @@ def buckets_to_params(fp: FlatPlan, buckets: list[jax.Array]) -> list[jax.Array]
         for j in buf.layout.bucket_params[b]:
             ps, pe, _ = buf.layout.param_index_map[j]
             i = buf.params[j]
-            piece = bucket[:, ps - start : pe - start].reshape(*blocks, *fp.local_shapes[i])
+            piece = bucket[..., ps - start : pe - start].reshape(*buf.lead, *blocks, *fp.layer_shape(i))
+            if buf.lead:  # [L, *blocks, *layer] -> [*blocks, L, *layer]: the blocks of the stacked param
+                piece = jnp.moveaxis(piece, 0, len(blocks))
             out[i] = _rows_to_param(piece, buf.model_axes, tensors[i].tp_spec, tensors[i].shape)
     return out
 
@@ -91,8 +94,10 @@ def params_to_buckets(fp: FlatPlan, leaves: list[jax.Array]) -> list[jax.Array]:
     out = []
     for buf in fp.buffers:
         rows = [_param_to_rows(leaves[i], buf.model_axes, sizes, tensors[i].tp_spec) for i in buf.params]
+        if buf.lead:  # [rows, L * layer numel] -> [L, rows, layer numel]
+            rows = [r.reshape(r.shape[0], *buf.lead, -1).swapaxes(0, 1) for r in rows]
         n_rows = math.prod(sizes[a] for a in buf.model_axes)
-        zeros = lambda n, n_rows=n_rows: jnp.zeros((n_rows, n), dtype)  # noqa: E731
+        zeros = lambda n, n_rows=n_rows, lead=buf.lead: jnp.zeros((*lead, n_rows, n), dtype)  # noqa: E731
         out += [assemble(buf.layout, b, rows, zeros) for b in range(buf.n_buckets)]
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -16,13 +18,14 @@ def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, shardings: Z
     """The flat path's `Offload`: whole buckets, in bucket order (module docstring); `shardings`: the
     ZeroState's without offload (`flat/step.opt_state_shardings`).
 
-    A bucket's size is the elements one device steps (`FlatPlan.shard_size`). A state leaf belongs
-    to bucket b if it sits at index b of a per-bucket list (the flat path's layout,
-    `flat/step.opt_state_shardings`) and is not a scalar. A param lies in one bucket (Megatron's
-    buckets close after a param).
+    A bucket's size is the elements one device steps (`FlatPlan.shard_shape`: a scanned stack's bucket,
+    [L, S_b/d], is one unit of offload, every layer). A state leaf belongs to bucket b if it sits at
+    index b of a per-bucket list (the flat path's layout, `flat/state.opt_state_shardings`) and is not a
+    scalar. A param lies in one bucket (Megatron's buckets close after a param).
     """
-    shard_sizes = [fp.shard_size(b) for b in range(fp.n_buckets)]
-    shards = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in shard_sizes]
+    shapes = [fp.shard_shape(b) for b in range(fp.n_buckets)]
+    shard_sizes = [math.prod(s) for s in shapes]
+    shards = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     abstract_inner = jax.eval_shape(inner.init, shards)
 
     def mask_of(chosen):

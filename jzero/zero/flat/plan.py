@@ -1,4 +1,4 @@
-"""The flat-buffer view of a ShardingPlan, and the per-device buffer operations the flat path uses.
+"""The flat-buffer view of a ShardingPlan: Megatron's buffers, one set per FSDP unit.
 
 As in Megatron, which keys its buffers by (param dtype, grad dtype, is_expert), the params
 are laid into up to two flat buffers (docs/megatron.md, "The flat buffer"):
@@ -7,43 +7,52 @@ are laid into up to two flat buffers (docs/megatron.md, "The flat buffer"):
   expert:  the expert params, ep- and tp-local (`[E/ep, D, F/tp]`), over the expert DP
            domain (dp_outer x dp). A model without expert params has no expert buffer.
 
-Each buffer is Megatron's layout (`buffers.build_layout`) over its params' local element
-counts (params in `jax.tree.leaves` order), padded to `lcm(d, 128)` with d its own DP size
-and cut into buckets. Rank r of a buffer's DP domain owns `[r*S_b/d, (r+1)*S_b/d)` of each
-of its buckets b. The plan numbers the buckets of all buffers in one sequence, dense first.
+Per FSDP unit (`zero.overlap_grad_reduce`, and ZeRO-3; Megatron-FSDP's per-module buffers) the
+params are first split into groups (`FlatGroup`): each unit's params (`TensorPlan.unit_dims` not
+None; a unit is named by `unit_key`) form one group, the params in no unit (embeddings, final
+norm, head) the "rest" group. Without units, or with `overlap_grad_reduce: false` below ZeRO-3,
+every param is in the rest group: one layout over the whole model, as Megatron's DDP.
+
+Each group's buffer is Megatron's layout (`buffers.build_layout`) over its params' local element
+counts (params in `jax.tree.leaves` order), padded to `lcm(d, 128)` with d its own DP size and
+cut into buckets (`zero.bucket_size` applies within a group). A scanned stack (unit_dims 1, `[L,
+...]`) is one unit laid out per layer: its layout is over one layer's params, and its bucket arrays
+carry a leading [L] (the layer loop slices one layer's bucket). Rank r of a buffer's DP domain owns
+`[r*S_b/d, (r+1)*S_b/d)` of each of its buckets b, in every layer. The plan numbers the buckets of
+all buffers in one sequence: groups in the order of their first param, dense before expert.
 
 Global arrays (S_b = padded size of bucket b):
   dense bucket:     [tp, S_b]       P("tp", DENSE_DP_AXES)          (P("tp", None) unsharded)
                     (under HSDP the columns are split over the buffer's `shard_axes`)
   expert bucket:    [ep * tp, S_b]  P(("ep", "tp"), EXPERT_DP_AXES)  (P(("ep", "tp"), None));
                     row ep_rank * tp + tp_rank
-  inside shard_map: [1, S_b/d] the owned shard, or [1, S_b] whole (the step drops the 1)
+  stacked bucket:   [L, rows, S_b]  P(None, rows, ...)
+  inside shard_map: [1, S_b/d] the owned shard, or [1, S_b] whole (`local`: [S_b/d], [L, S_b/d])
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
 from jzero.mesh import AXES, DENSE_DP_AXES, EP_AXIS, EXPERT_DP_AXES, TP_AXIS, axes_size
-from jzero.zero.common.strategies import ShardingPlan, spec_axes
+from jzero.zero.common.strategies import ShardingPlan, TensorPlan, spec_axes
 from jzero.zero.flat.buffers import Layout, build_layout
 
 PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)
 DENSE, EXPERT = "dense", "expert"
+REST = ""  # the group of the params in no FSDP unit
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatBuffer:
-    """One flat buffer (one Megatron buffer key) and the mesh axes its buckets live on.
+    """One flat buffer (one Megatron buffer key of one group) and the mesh axes its buckets live on.
 
     Attributes:
       kind: "dense" or "expert".
@@ -54,11 +63,14 @@ class FlatBuffer:
         dp_outer under HSDP `outer_strategy: optim` (`strategies.TensorPlan.shard_axes`).
       model_axes: the mesh axes its params are split over, ("tp",) or ("ep", "tp"); a bucket
         array has one row per rank of them.
-      layout: Megatron's layout over its params' local element counts (`layout.dp_size` is
-        `d`, or 1 under no_shard: no padding); its param j is leaf `params[j]`.
+      layout: Megatron's layout over its params' local element counts, one layer's for a stacked
+        group (`layout.dp_size` is `d`, or 1 under no_shard: no padding); its param j is leaf `params[j]`.
       params: leaves-order indices of its params.
       d: size of `shard_axes`: each rank owns 1/d of every bucket.
       sharded: whether its optimizer state is sharded over `shard_axes` (not under no_shard).
+      group: the key of its group (`unit_key`; `REST` for the params in no unit).
+      layers: L for a scanned stack's group (its arrays carry a leading [L]), else None.
+      d_inner: size of `inner_axes`: a resting param bucket (`param_spec`) is split d_inner ways.
     """
 
     kind: str
@@ -70,21 +82,42 @@ class FlatBuffer:
     params: tuple[int, ...]
     d: int
     sharded: bool
+    group: str = REST
+    layers: int | None = None
+    d_inner: int = 1
 
     @property
     def n_buckets(self) -> int:
         return self.layout.num_buckets
 
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The leading dims of its arrays: (L,) for a stacked group, else ()."""
+        return () if self.layers is None else (self.layers,)
+
+    def _spec(self, columns) -> P:
+        rows = self.model_axes[0] if len(self.model_axes) == 1 else self.model_axes
+        return P(*(None,) * len(self.lead), rows, columns)
+
     def bucket_spec(self, sharded: bool | None = None) -> P:
         """Spec of its bucket arrays: rows over `model_axes`, columns split over DP if `sharded`."""
         sharded = self.sharded if sharded is None else sharded
-        rows = self.model_axes[0] if len(self.model_axes) == 1 else self.model_axes
-        return P(rows, self.shard_axes if sharded else None)
+        return self._spec(self.shard_axes if sharded else None)
+
+    def param_spec(self) -> P:
+        """Spec of its model params resting as bucket shards (`FlatPlan.params_rest_sharded`): split
+        over the inner DP axes only, as ZeRO-3's params on the spec path."""
+        return self._spec(self.inner_axes)
 
     def shard_size(self, b: int) -> int:
-        """Elements of its bucket b one rank steps: its owned shard, or all of it under no_shard."""
+        """Elements of its bucket b one rank steps per layer: its owned shard, or all of it under no_shard."""
         start, end = self.layout.bucket_indices[b]
         return (end - start) // self.d if self.sharded else end - start
+
+    def numel(self, b: int) -> int:
+        """Elements of its bucket b per layer, padding included."""
+        start, end = self.layout.bucket_indices[b]
+        return end - start
 
     @property
     def outer_axes(self) -> tuple[str, ...]:
@@ -101,29 +134,58 @@ class FlatBuffer:
 
 
 @dataclasses.dataclass(frozen=True)
+class FlatGroup:
+    """One group's buffers: an FSDP unit's (`key` its `unit_key`), or the params in no unit (`REST`).
+
+    layers: L for a scanned stack (`[L, ...]` params, per-layer layout), else None.
+    params: leaves-order indices of its params; buffers: its dense, then its expert buffer.
+    """
+
+    key: str
+    layers: int | None
+    params: tuple[int, ...]
+    buffers: tuple[FlatBuffer, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class FlatPlan:
     """The flat-buffer view of a ShardingPlan.
 
     Attributes:
       plan: the per-tensor plan (tp specs, DP domains).
-      buffers: the dense buffer (if any dense param), then the expert buffer (if any expert param).
-      local_shapes: tp- and ep-local shape of each param (leaves order).
+      groups: the FSDP units' groups and the rest group (module docstring), in the order of their first param.
+      local_shapes: tp- and ep-local shape of each param (leaves order), stacked dims included.
       tp_sharded: per param (leaves order), whether tp splits it (its grad counts on every tp
         rank in the norm; a tp-replicated param counts once, Megatron's
         `param_is_not_tensor_parallel_duplicate`).
+      stacked: per param (leaves order), whether its group is a scanned stack (its dim 0 is [L]).
+      params_rest_sharded: the model params rest between steps as bucket shards (`FlatBuffer.param_spec`)
+        and the forward gathers each group's: ZeRO-3, and ZeRO-1/2 with `overlap_param_gather`.
     """
 
     plan: ShardingPlan
-    buffers: tuple[FlatBuffer, ...]
+    groups: tuple[FlatGroup, ...]
     local_shapes: tuple[tuple[int, ...], ...]
     tp_sharded: tuple[bool, ...]
+    stacked: tuple[bool, ...]
+    params_rest_sharded: bool = False
+
+    @property
+    def buffers(self) -> tuple[FlatBuffer, ...]:
+        """Every group's buffers, in plan order."""
+        return tuple(buf for g in self.groups for buf in g.buffers)
+
+    @property
+    def per_unit(self) -> bool:
+        """Whether some group is an FSDP unit's (else one layout over the whole model)."""
+        return any(g.key != REST for g in self.groups)
 
     def buffer(self, kind: str) -> FlatBuffer | None:
         return next((buf for buf in self.buffers if buf.kind == kind), None)
 
     @property
     def layout(self) -> Layout:
-        """The first buffer's layout: the dense buffer's (the only one for a dense model)."""
+        """The first buffer's layout: without units the dense buffer's (the only one for a dense model)."""
         return self.buffers[0].layout
 
     @property
@@ -142,7 +204,7 @@ class FlatPlan:
 
     @property
     def buckets(self) -> tuple[tuple[FlatBuffer, int], ...]:
-        """Per plan bucket, (its buffer, its index in that buffer): dense buckets first."""
+        """Per plan bucket, (its buffer, its index in that buffer)."""
         return tuple((buf, b) for buf in self.buffers for b in range(buf.n_buckets))
 
     @property
@@ -152,34 +214,43 @@ class FlatPlan:
 
     @property
     def numel(self) -> int:
-        """Elements one device holds in all its buffers, padding included."""
-        return sum(buf.layout.numel for buf in self.buffers)
+        """Elements one device holds in all its buffers, padding and every layer included."""
+        return sum(int(np.prod(buf.lead, dtype=np.int64)) * buf.layout.numel for buf in self.buffers)
+
+    def layer_shape(self, i: int) -> tuple[int, ...]:
+        """Param i's local shape in one layer: its stacked [L] dim dropped if its group is a scanned stack."""
+        return self.local_shapes[i][1:] if self.stacked[i] else self.local_shapes[i]
 
     def bucket_specs(self, sharded: bool | None = None) -> list[P]:
         """Spec of every bucket array (`FlatBuffer.bucket_spec`)."""
         return [buf.bucket_spec(sharded) for buf, _ in self.buckets]
 
+    def param_specs(self) -> list[P]:
+        """Spec of every resting param bucket (`FlatBuffer.param_spec`)."""
+        return [buf.param_spec() for buf, _ in self.buckets]
+
     def bucket_spec(self, sharded: bool | None = None, b: int | None = None) -> P:
         """Spec of bucket b's array; b may be left out when all buckets share one (a single buffer)."""
         if b is None:
             if len(self.buffers) > 1:
-                raise ValueError("dense and expert buckets have different specs: pass b, or use bucket_specs()")
+                raise ValueError("buffers have different bucket specs: pass b, or use bucket_specs()")
             b = 0
         return self.bucket_specs(sharded)[b]
 
-    def bucket_shapes(self) -> list[tuple[int, int]]:
-        """Global shape of every bucket array: [tp, S_b] dense, [ep * tp, S_b] expert."""
+    def bucket_shapes(self) -> list[tuple[int, ...]]:
+        """Global shape of every bucket array: [tp, S_b] dense, [ep * tp, S_b] expert, [L, ...] stacked."""
         mesh = self.plan.mesh
-        return [
-            (axes_size(mesh, buf.model_axes), end - start)
-            for buf in self.buffers
-            for start, end in buf.layout.bucket_indices
-        ]
+        return [(*buf.lead, axes_size(mesh, buf.model_axes), buf.numel(b)) for buf, b in self.buckets]
 
     def shard_size(self, b: int) -> int:
-        """Elements of bucket b one rank steps: its owned shard, or all of it under no_shard."""
+        """Elements of bucket b one rank steps per layer: its owned shard, or all of it under no_shard."""
         buf, local = self.buckets[b]
         return buf.shard_size(local)
+
+    def shard_shape(self, b: int) -> tuple[int, ...]:
+        """Shape of bucket b's shard as one device steps it: [S_b/d] ([L, S_b/d] stacked; [S_b] under no_shard)."""
+        buf, local = self.buckets[b]
+        return (*buf.lead, buf.shard_size(local))
 
 
 def _local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
@@ -190,128 +261,112 @@ def _local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
-def make_flat_plan(plan: ShardingPlan, bucket_size: int | None, pad_for_high_nccl_busbw: bool) -> FlatPlan:
-    """Megatron's layouts for the local params of `plan`: a dense buffer and, for expert params,
-    an expert buffer, each padded for its own DP size.
+def unit_key(path: tuple) -> str:
+    """The FSDP unit a unit param belongs to on the flat path: its key path up to its first integer
+    key (`blocks/3` for every param of the fourth block), or its first key when it has none (`blocks`
+    for a scanned stack). A `unit` call that receives part of a unit's params fails at trace time."""
+    keys = []
+    for k in path:
+        keys.append(k)
+        index = getattr(k, "idx", getattr(k, "key", None))
+        if isinstance(index, int) and not isinstance(index, bool):
+            break
+    else:
+        keys = list(path[:1])
+    return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
+
+
+def group_keys(plan: ShardingPlan, per_unit: bool) -> list[str]:
+    """Per param (leaves order), its group: `unit_key` of a unit param when `per_unit`, else `REST`."""
+    leaves = jax.tree_util.tree_flatten_with_path(plan.tensors)[0]
+    return [unit_key(path) if per_unit and t.unit_dims is not None else REST for path, t in leaves]
+
+
+def _check_buffer_member(kind: str, model_axes: tuple[str, ...], t: TensorPlan) -> None:
+    axes = spec_axes(t.tp_spec)
+    if not set(axes) <= set(model_axes) or (kind == EXPERT and EP_AXIS not in axes):
+        raise ConfigError(
+            f"zero.path=flat: {kind} param {t.name} has model-parallel spec {t.tp_spec}; "
+            f"a {kind} param may only be split over {model_axes}"
+            + (" and must be split over ep" if kind == EXPERT else "")
+        )
+
+
+def _group_layers(key: str, members: list[int], tensors: list[TensorPlan]) -> int | None:
+    """L of a stacked group (every member `[L, ...]` with unit_dims 1), None for a group of unstacked params."""
+    dims = {tensors[i].unit_dims or 0 for i in members}
+    if dims == {0}:
+        return None
+    if dims != {1}:
+        raise ConfigError(
+            f"zero.path=flat: the params of unit {key!r} have {sorted(dims)} stacked-layer dims; the flat path "
+            "lays out a unit whose params all have 0 or all have 1 (a scanned stack [L, ...])"
+        )
+    layers = {tensors[i].shape[0] for i in members}
+    if len(layers) != 1:
+        raise ConfigError(f"zero.path=flat: the params of unit {key!r} stack different numbers of layers {layers}")
+    return layers.pop()
+
+
+def _buffers(plan, key, members, layers, layer_numel, bucket_size, pad) -> tuple[FlatBuffer, ...]:
+    """One group's dense and expert buffers (each present only if it has params)."""
+    tensors, mesh, out = jax.tree.leaves(plan.tensors), plan.mesh, []
+    for kind, dp_axes, model_axes in ((DENSE, DENSE_DP_AXES, (TP_AXIS,)), (EXPERT, EXPERT_DP_AXES, (EP_AXIS, TP_AXIS))):
+        mine = tuple(i for i in members if tensors[i].dp_axes == dp_axes)
+        if not mine:
+            continue
+        for i in mine:
+            _check_buffer_member(kind, model_axes, tensors[i])
+        inner_axes, shard_axes = tensors[mine[0]].inner_axes, tensors[mine[0]].shard_axes
+        d, d_inner = axes_size(mesh, shard_axes), axes_size(mesh, inner_axes)
+        layout = build_layout(
+            [layer_numel[i] for i in mine], d if plan.shards_state else 1, bucket_size, pad_for_high_nccl_busbw=pad
+        )
+        out.append(FlatBuffer(
+            kind, dp_axes, inner_axes, shard_axes, model_axes, layout, mine, d, plan.shards_state, key, layers, d_inner
+        ))  # fmt: skip
+    return tuple(out)
+
+
+def make_flat_plan(
+    plan: ShardingPlan,
+    bucket_size: int | None,
+    pad_for_high_nccl_busbw: bool,
+    per_unit: bool = False,
+    params_rest_sharded: bool = False,
+) -> FlatPlan:
+    """Megatron's layouts for the local params of `plan` (module docstring): per group (one per FSDP
+    unit when `per_unit`, and the rest), a dense buffer and, for expert params, an expert buffer,
+    each padded for its own DP size.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
     a param split over mesh axes its buffer does not know (an expert param not split over ep,
-    a dense one split over ep), or a bucket too large for int32 positions.
+    a dense one split over ep), a unit mixing stacked and unstacked params, or a bucket too large
+    for int32 positions.
     """
     tensors = jax.tree.leaves(plan.tensors)
     if len({t.dtype for t in tensors}) != 1:
         raise ConfigError("zero.path=flat needs one param dtype (one buffer); got " + str({t.dtype for t in tensors}))
     mesh = plan.mesh
     local_shapes = tuple(_local_shape(t.shape, t.tp_spec, mesh) for t in tensors)
-    buffers = []
-    for kind, dp_axes, model_axes in ((DENSE, DENSE_DP_AXES, (TP_AXIS,)), (EXPERT, EXPERT_DP_AXES, (EP_AXIS, TP_AXIS))):
-        members = tuple(i for i, t in enumerate(tensors) if t.dp_axes == dp_axes)
-        if not members:
-            continue
-        for i in members:
-            axes = spec_axes(tensors[i].tp_spec)
-            if not set(axes) <= set(model_axes) or (kind == EXPERT and EP_AXIS not in axes):
-                raise ConfigError(
-                    f"zero.path=flat: {kind} param {tensors[i].name} has model-parallel spec {tensors[i].tp_spec}; "
-                    f"a {kind} param may only be split over {model_axes}"
-                    + (" and must be split over ep" if kind == EXPERT else "")
-                )
-        inner_axes, shard_axes = tensors[members[0]].inner_axes, tensors[members[0]].shard_axes
-        d = axes_size(mesh, shard_axes)
-        layout = build_layout(
-            numels=[int(np.prod(local_shapes[i], dtype=np.int64)) for i in members],
-            dp_size=d if plan.shards_state else 1,
-            bucket_size=bucket_size,
-            pad_for_high_nccl_busbw=pad_for_high_nccl_busbw,
-        )
-        buffers.append(
-            FlatBuffer(kind, dp_axes, inner_axes, shard_axes, model_axes, layout, members, d, plan.shards_state)
-        )
-    if sum(len(buf.params) for buf in buffers) != len(tensors):
-        odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
+    odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
+    if odd:
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
-    largest = max(end - start for buf in buffers for start, end in buf.layout.bucket_indices)
+    keys = group_keys(plan, per_unit)
+    groups = []
+    for key in dict.fromkeys(keys):  # in the order of their first param
+        members = [i for i, k in enumerate(keys) if k == key]
+        layers = _group_layers(key, members, tensors) if key != REST else None
+        skip = 0 if layers is None else 1
+        numel = {i: int(np.prod(local_shapes[i][skip:], dtype=np.int64)) for i in members}
+        buffers = _buffers(plan, key, members, layers, numel, bucket_size, pad_for_high_nccl_busbw)
+        groups.append(FlatGroup(key, layers, tuple(members), buffers))
+    largest = max(buf.numel(b) for g in groups for buf in g.buffers for b in range(buf.n_buckets))
     if largest > MAX_BUCKET:
         raise ConfigError(
             f"zero.bucket_size: a flat bucket of {largest} elements exceeds {MAX_BUCKET}; set zero.bucket_size "
             "(Megatron's default with overlap is max(40_000_000, 1_000_000 * dp))"
         )
     tp_sharded = tuple(TP_AXIS in spec_axes(t.tp_spec) and mesh.shape[TP_AXIS] > 1 for t in tensors)
-    return FlatPlan(plan, tuple(buffers), local_shapes, tp_sharded)
-
-
-# ---------------------------------------------------------------- per-device buffer ops
-
-
-def assemble(layout: Layout, b: int, rows: Sequence[jax.Array], zeros: Callable[[int], jax.Array]) -> jax.Array:
-    """Bucket b from per-param rows (the layout's param order, flattened on the last axis), with
-    `zeros(n)` in the 64-element alignment gaps and the end padding."""
-    start, end = layout.bucket_indices[b]
-    pieces, cursor = [], start
-    for i in layout.bucket_params[b]:
-        ps, pe, _ = layout.param_index_map[i]
-        if ps > cursor:
-            pieces.append(zeros(ps - cursor))
-        pieces.append(rows[i])
-        cursor = pe
-    if end > cursor:
-        pieces.append(zeros(end - cursor))
-    return jnp.concatenate(pieces, axis=-1)
-
-
-def flatten(fp: FlatPlan, leaves: Sequence[jax.Array], dtype) -> list[jax.Array]:
-    """Local param-shaped leaves (leaves order) -> one [S_b] array per plan bucket, zero in the gaps."""
-    rows = [x.reshape(-1).astype(dtype) for x in leaves]
-    zeros = lambda n: jnp.zeros(n, dtype)  # noqa: E731
-    out = []
-    for buf in fp.buffers:
-        mine = [rows[i] for i in buf.params]
-        out += [assemble(buf.layout, b, mine, zeros) for b in range(buf.n_buckets)]
-    return out
-
-
-def unflatten(fp: FlatPlan, buckets: Sequence[jax.Array], dtypes: Sequence) -> list[jax.Array]:
-    """Inverse of `flatten`: full [S_b] buckets -> local params (leaves order)."""
-    leaves = [None] * len(fp.local_shapes)
-    for bucket, (buf, b) in zip(buckets, fp.buckets):
-        start = buf.layout.bucket_indices[b][0]
-        for j in buf.layout.bucket_params[b]:
-            ps, pe, _ = buf.layout.param_index_map[j]
-            i = buf.params[j]
-            leaves[i] = bucket[ps - start : pe - start].reshape(fp.local_shapes[i]).astype(dtypes[i])
-    return leaves
-
-
-def owned(buf: FlatBuffer, bucket: jax.Array, rank: jax.Array | int) -> jax.Array:
-    """Rank `rank`'s shard of a full [S_b] bucket of `buf`: [r*S_b/d, (r+1)*S_b/d) (all of it
-    under no_shard); `rank` is the rank in `buf.shard_axes`."""
-    if not buf.sharded:
-        return bucket
-    size = bucket.shape[0] // buf.d
-    return jax.lax.dynamic_slice_in_dim(bucket, rank * size, size)
-
-
-def values_on_shard(buf: FlatBuffer, b: int, per_param: Sequence[float], rank: jax.Array | int) -> jax.Array:
-    """Per element of rank `rank`'s shard of `buf`'s bucket b, the value of the param it belongs to.
-
-    Per-param constants (leaves order) laid out like the buffer (param-group multipliers, norm
-    weights), built in the step from a few comparisons instead of stored: the values are
-    constant over runs of consecutive params, and a gap or padding element takes its
-    neighbour's value (its grad and param are zero, so no update reads it). `rank` is the
-    rank in `buf.shard_axes`. Returns f32 [buf.shard_size(b)].
-    """
-    start, _ = buf.layout.bucket_indices[b]
-    runs: list[tuple[int, float]] = []  # (first position in the bucket, value), in buffer order
-    for j in buf.layout.bucket_params[b]:
-        value = float(per_param[buf.params[j]])
-        if not runs or runs[-1][1] != value:
-            runs.append((buf.layout.param_index_map[j][0] - start, value))
-    size = buf.shard_size(b)
-    if len(runs) == 1:
-        return jnp.full((size,), runs[0][1], jnp.float32)
-    first = (rank * size) if buf.sharded else 0
-    position = first + jnp.arange(size, dtype=jnp.int32)
-    out = jnp.full((size,), runs[0][1], jnp.float32)
-    for run_start, value in runs[1:]:
-        out = jnp.where(position >= run_start, jnp.float32(value), out)
-    return out
+    stacked = tuple(any(i in g.params and g.layers is not None for g in groups) for i in range(len(tensors)))
+    return FlatPlan(plan, tuple(groups), local_shapes, tp_sharded, stacked, params_rest_sharded)

@@ -92,6 +92,12 @@ def gather_quantized(
 ) -> jax.Array:
     """This rank's fp32 shard [S] -> the whole bucket [d * S] in `out_dtype`, replicated over the
     bucket's DP domain: its codes and scales gathered by `gather` (an all_gather over that domain,
-    tiled on dim 0; per device, inside shard_map)."""
+    tiled on the last axis; per device, inside shard_map). A scanned stack's shard [L, S] -> [L, d * S]:
+    each layer's row quantized in blocks of its own, as an unstacked shard's."""
+    size = x.shape[-1]
+    if x.ndim > 1:
+        codes, scales = jax.vmap(lambda row: quantize(row, dtype, block))(x)
+        back = lambda c, s: dequantize(c, s, size, dtype, out_dtype, block)  # noqa: E731
+        return jax.vmap(back)(gather(codes), gather(scales))
     codes, scales = quantize(x, dtype, block)
-    return dequantize(gather(codes), gather(scales), x.shape[0], dtype, out_dtype, block)
+    return dequantize(gather(codes), gather(scales), size, dtype, out_dtype, block)

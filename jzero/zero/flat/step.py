@@ -12,25 +12,27 @@ for a dense bucket, dp_outer x dp for an expert bucket; the collectives are `col
   ZeRO-1 (optim): the full local bucket accumulates over microbatches (Megatron's
       grad buffer), then one psum_scatter after the last: DDP's wire bytes.
   DDP (no_shard): the full local bucket accumulates, then one psum.
+  ZeRO-3 (optim_grads_params): as ZeRO-2, and the params rest as bucket shards, gathered per unit.
+
+With `zero.overlap_grad_reduce` (and under ZeRO-3) the buffers are per FSDP unit and each bucket is
+reduced inside the backward (`grads.py`); without it, one layout over the whole model and every
+bucket reduced after each micro-batch's backward (`FlatProgram.grads`, below).
 
 Expert grads need no reduction over ep: the loss moves tokens to the experts' ranks and
 back (all_to_all over ep), so a rank's expert grads already hold every ep rank's tokens.
 Every grad, dense and expert, is scaled by 1 / (dense DP size x microbatches), as Megatron does.
 
 The inner optax transformation steps on the owned fp32 shards, with the param groups'
-multipliers laid out like them (`plan.values_on_shard`), by the update both paths share
-(`common/update.py`); the updated shards are cast
-to the param dtype and all_gathered per bucket back into the params (with
-`param_gather_dtype`: quantized blockwise to one byte and gathered with their scales,
-`quantize.py`). Only element-wise transformations mean the same on a shard as on the params:
-`common/probe.check_elementwise` refuses the others when `build.build_zero` builds the step.
+multipliers laid out like them (`local.values_on_shard`), by the update both paths share
+(`common/update.py`); the updated shards are cast to the param dtype and all_gathered per bucket
+back into the params (with `param_gather_dtype`: quantized blockwise to one byte and gathered with
+their scales, `quantize.py`), or, where the params rest sharded, kept as the param dtype's shards
+(across dp_outer gathered first under HSDP `optim`). Only element-wise transformations mean the
+same on a shard as on the params: `common/probe.check_elementwise` refuses the others when
+`build.build_zero` builds the step.
 
 `FlatProgram` holds the per-device programs (each runs inside a shard_map over the whole mesh);
-`build_flat_step` wraps them in shard_map and jit.
-
-Shardings: params as the spec path (tp- and ep-sharded, replicated over their DP domain);
-main params and every non-scalar optimizer-state leaf one array per bucket, [tp, S_b] dense or
-[ep * tp, S_b] expert, in `FlatPlan.bucket_specs()`.
+`build_flat_step` wraps them in shard_map and jit. Shardings: `state.py`.
 """
 
 from __future__ import annotations
@@ -46,65 +48,48 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common.batch import batch_sharding, split_batch
+from jzero.zero.common.compiler import step_compiler_options
 from jzero.zero.common.groups import GroupValues, group_leaves
 from jzero.zero.common.offload import Offload
-from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, keeps_main_params, with_metrics
+from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, with_metrics
 from jzero.zero.common.strategies import spec_axes
 from jzero.zero.common.update import finish, model_copy, optimizer_step
-from jzero.zero.config import DynamicLossScale, ParamGatherDType, StepOptions
-from jzero.zero.flat import collectives
-from jzero.zero.flat.plan import FlatPlan, flatten, owned, unflatten
+from jzero.zero.config import ParamGatherDType, StepOptions, ZeroConfig
+from jzero.zero.flat import collectives, grads, state
+from jzero.zero.flat.local import flatten, from_local, owned, to_local, unflatten
+from jzero.zero.flat.plan import FlatPlan
 from jzero.zero.flat.quantize import gather_quantized
 
 PyTree = Any
-
-
-def opt_state_shardings(
-    inner: optax.GradientTransformation,
-    fp: FlatPlan,
-    loss_scale: DynamicLossScale | None = None,
-    quantized: bool = False,
-) -> ZeroState:
-    """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
-    scalars (and the loss scaler's) replicated. Main params are kept as `state.keeps_main_params` says
-    (a `quantized` gather keeps them for fp32 params too)."""
-    mesh = fp.plan.mesh
-    bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
-    shards = [jax.ShapeDtypeStruct((fp.shard_size(b),), jnp.float32) for b in range(fp.n_buckets)]
-
-    def sharding(path, leaf):
-        if not leaf.shape:
-            return NamedSharding(mesh, P())
-        b = getattr(path[-1], "idx", None) if path else None  # the state of bucket b sits at [..., b]
-        if len(leaf.shape) == 1 and b is not None and b < fp.n_buckets and leaf.shape[0] == fp.shard_size(b):
-            return bucket_sh[b]
-        raise ConfigError(
-            f"zero.path=flat: optimizer state leaf {jax.tree_util.keystr(path)} of shape {leaf.shape} is neither a "
-            "scalar nor shaped like a buffer shard; use zero.path=spec"
-        )
-
-    inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
-    keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors), quantized)
-    return ZeroState(
-        bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh)
-    )
 
 
 def _specs(shardings: PyTree) -> PyTree:
     return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def _squeeze(tree: PyTree) -> PyTree:
-    """A state tree as shard_map hands it to one device, [1, S] per bucket -> [S] (scalars as they are)."""
-    return jax.tree.map(lambda x: x[0] if x.ndim else x, tree)
+def _squeeze(fp: FlatPlan, tree: PyTree) -> PyTree:
+    """A per-bucket state tree as shard_map hands it to one device, [1, S] ([L, 1, S]) per bucket -> [S]
+    ([L, S]); scalars as they are. A leaf's bucket is its index in its list."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: to_local(fp.buckets[path[-1].idx][0], x) if x.ndim else x,
+                                            tree)  # fmt: skip
 
 
-def _unsqueeze(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: x[None] if x.ndim else x, tree)
+def _unsqueeze(fp: FlatPlan, tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map_with_path(lambda path, x: from_local(fp.buckets[path[-1].idx][0], x) if x.ndim else x,
+                                            tree)  # fmt: skip
+
+
+def _outer_part(buf, x: jax.Array) -> jax.Array:
+    """This rank's owned [S_b/d] of its [S_b/d_inner] part of a bucket (its dp_outer rank's slice under
+    HSDP `optim`; all of it otherwise)."""
+    if buf.d == buf.d_inner or not buf.sharded:
+        return x
+    size = x.shape[-1] // (buf.d // buf.d_inner)
+    rank = jax.lax.axis_index(tuple(a for a in buf.shard_axes if a not in buf.inner_axes))
+    return jax.lax.dynamic_slice_in_dim(x, rank * size, size, axis=x.ndim - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +106,8 @@ class FlatProgram:
       keep_main: whether the state holds fp32 main params (`state.keeps_main_params`).
       axis_kwargs: the mesh axes the loss is told of: `tp_axis` if tp splits a param, `ep_axis`
         if ep does.
+      scheduled: reduce each bucket inside the backward, per unit (`grads.py`); else after it.
+      reshard_after_forward: ZeRO-3 gathers a unit's buckets again for its backward.
     """
 
     loss_fn: Callable
@@ -131,6 +118,8 @@ class FlatProgram:
     gather_dtype: ParamGatherDType | None
     keep_main: bool
     axis_kwargs: dict
+    scheduled: bool = False
+    reshard_after_forward: bool = True
 
     @property
     def tensors(self) -> list:
@@ -139,6 +128,11 @@ class FlatProgram:
     @property
     def param_dtype(self):
         return self.tensors[0].dtype  # the flat path holds one param dtype (`plan.make_flat_plan`)
+
+    def local_params(self, params: PyTree) -> PyTree:
+        """The state's params as one device uses them: the params tree, or the resting bucket shards [S_b/d_inner]."""
+        return [to_local(buf, x) for (buf, _), x in zip(self.fp.buckets, params)] if self.fp.params_rest_sharded \
+            else params  # fmt: skip
 
     def local_grads(self, params: PyTree, mb: PyTree, loss_scale: jax.Array | None):
         """((loss, metrics), this rank's grads of one microbatch as [S_b] buckets, scaled by 1 / (d x M))."""
@@ -163,9 +157,12 @@ class FlatProgram:
         """((loss, metrics) averaged over DP and microbatches, the reduced grad buckets): the owned shards
         [1, S_b/d], full [1, S_b] under DDP (of the loss times `loss_scale`, if given).
 
-        ZeRO-2 reduce-scatters every microbatch, so only the owned shard accumulates; DDP and
-        ZeRO-1 accumulate the full local buckets and reduce once, after the last (Megatron's).
+        Scheduled: `grads.scheduled_grads`. Else ZeRO-2 reduce-scatters every microbatch after its
+        backward, so only the owned shard accumulates; DDP and ZeRO-1 accumulate the full local
+        buckets and reduce once, after the last (Megatron's without overlap).
         """
+        if self.scheduled:
+            return grads.scheduled_grads(self, self.local_params(params), batch, loss_scale)
         fp, every = self.fp, self.fp.plan.shards_grads
         mbs = self.rank_microbatches(batch)
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
@@ -181,14 +178,21 @@ class FlatProgram:
             acc, rest_means = jax.lax.scan(body, acc, rest)
             means = jax.tree.map(lambda m, r: (m + r.sum()) / self.options.microbatches, means, rest_means)
         reduced = acc if every else collectives.reduce(fp, acc)
-        return jax.lax.pmean(means, BATCH_AXES), [r[None] for r in reduced]
+        return jax.lax.pmean(means, BATCH_AXES), [from_local(buf, r) for (buf, _), r in zip(fp.buckets, reduced)]
 
     def main_shards(self, params: PyTree, opt_state: ZeroState, ranks) -> list[jax.Array]:
         """The fp32 main params this rank steps: the kept ones, or its shards of the fp32 params."""
         if self.keep_main:
-            return [m[0] for m in opt_state.main_params]
+            return [to_local(buf, m) for (buf, _), m in zip(self.fp.buckets, opt_state.main_params)]
+        if self.fp.params_rest_sharded:
+            return self.resting_main(params)
         full = flatten(self.fp, jax.tree.leaves(params), jnp.float32)
         return [owned(buf, x, r) for (buf, _), x, r in zip(self.fp.buckets, full, ranks)]
+
+    def resting_main(self, params: PyTree) -> list[jax.Array]:
+        """This rank's owned fp32 shards of params resting as bucket shards (`FlatPlan.params_rest_sharded`)."""
+        local = self.local_params(params)
+        return [_outer_part(buf, x.astype(jnp.float32)) for (buf, _), x in zip(self.fp.buckets, local)]
 
     def group_values(self, ranks) -> GroupValues | None:
         if self.groups is None:
@@ -197,6 +201,15 @@ class FlatProgram:
             collectives.on_shards(self.fp, [g.lr_mult for g in self.groups], ranks),
             collectives.on_shards(self.fp, [g.wd_mult for g in self.groups], ranks),
         )
+
+    def new_params(self, params: PyTree, main: list[jax.Array]) -> PyTree:
+        """The model params from the updated main shards: where they rest sharded, each bucket's shard in the
+        param dtype (gathered across dp_outer under HSDP `optim`); else all-gathered whole (`gather_params`)."""
+        fp, dtype = self.fp, self.param_dtype
+        if not fp.params_rest_sharded:
+            return jax.tree.unflatten(jax.tree.structure(params), self.gather_params(main))
+        gather = collectives.gather_outer
+        return [from_local(buf, gather(buf, m.astype(dtype))) for (buf, _), m in zip(fp.buckets, main)]
 
     def gather_params(self, main: list[jax.Array]) -> list[jax.Array]:
         """All-gather each updated bucket shard over its DP domain in the param dtype (or quantized,
@@ -213,38 +226,58 @@ class FlatProgram:
         return unflatten(fp, gathered, [t.dtype for t in self.tensors])
 
     def update(self, params: PyTree, opt_state: ZeroState, grads: list[jax.Array]):
-        """The optimizer step on this rank's shards (`update.optimizer_step`), then the param all-gather:
-        (new params, new ZeroState, metrics)."""
+        """The optimizer step on this rank's shards (`update.optimizer_step`), then the new params
+        (`new_params`): (new params, new ZeroState, metrics)."""
         fp, o = self.fp, self.options
         ranks = collectives.bucket_ranks(fp)
         mesh_axes = tuple(fp.plan.mesh.axis_names)
-        state = opt_state._replace(inner_state=_squeeze(opt_state.inner_state))
+        state_ = opt_state._replace(inner_state=_squeeze(fp, opt_state.inner_state))
+        g32 = [to_local(buf, g).astype(jnp.float32) for (buf, _), g in zip(fp.buckets, grads)]
         step = optimizer_step(
-            self.inner, [g[0].astype(jnp.float32) for g in grads], self.main_shards(params, opt_state, ranks), state,
+            self.inner, g32, self.main_shards(params, opt_state, ranks), state_,
             global_norm=lambda g: collectives.global_norm(fp, g, ranks),
             nonfinite=lambda g: collectives.any_nonfinite(g, mesh_axes),
             clip_grad=o.clip_grad, loss_scale=o.loss_scale, groups=self.group_values(ranks),
         )  # fmt: skip
-        new_params = jax.tree.unflatten(jax.tree.structure(params), self.gather_params(step.main))
-        new_main = [m[None] for m in step.main] if self.keep_main else None
-        new_state = ZeroState(new_main, _unsqueeze(step.inner_state))
-        return finish(o.loss_scale, step, params, opt_state, new_params, new_state)
+        new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, step.main)] if self.keep_main else None
+        new_state = ZeroState(new_main, _unsqueeze(fp, step.inner_state))
+        return finish(o.loss_scale, step, params, opt_state, self.new_params(params, step.main), new_state)
 
     def init(self, params: PyTree) -> ZeroState:
-        """The optimizer state from the params: this rank's fp32 shards and the inner state on them."""
-        full = flatten(self.fp, jax.tree.leaves(params), jnp.float32)
-        ranks = collectives.bucket_ranks(self.fp)
-        main = [owned(buf, x, r) for (buf, _), x, r in zip(self.fp.buckets, full, ranks)]
+        """The optimizer state from the state's params: this rank's fp32 shards and the inner state on them."""
+        fp = self.fp
+        if fp.params_rest_sharded:
+            main = self.resting_main(params)
+        else:
+            full = flatten(fp, jax.tree.leaves(params), jnp.float32)
+            main = [owned(buf, x, r) for (buf, _), x, r in zip(fp.buckets, full, collectives.bucket_ranks(fp))]
         loss_scale = self.options.loss_scale
         grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
-        kept = [m[None] for m in main] if self.keep_main else None
-        return ZeroState(kept, _unsqueeze(self.inner.init(main)), grad_scaler)
+        kept = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, main)] if self.keep_main else None
+        return ZeroState(kept, _unsqueeze(fp, self.inner.init(main)), grad_scaler)
 
     def evaluate(self, params: PyTree, batch: PyTree) -> dict:
-        """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP."""
-        run = lambda mb: self.loss_fn(params, mb, **self.axis_kwargs)  # noqa: E731
+        """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP
+        (where the params rest sharded, each unit's gathered as the step's forward does)."""
+        if self.fp.params_rest_sharded:
+            view = grads.evaluate_view(self, self.local_params(params))
+        else:
+            view = params
+        run = lambda mb: self.loss_fn(view, mb, **self.axis_kwargs)  # noqa: E731
         loss, metrics = jax.lax.map(run, self.rank_microbatches(batch))
         return jax.lax.pmean({"loss": jnp.mean(loss), **jax.tree.map(jnp.mean, metrics)}, BATCH_AXES)
+
+
+def _program(loss_fn, inner, fp, options, zero: ZeroConfig, groups, keep_main: bool) -> FlatProgram:
+    tensors = jax.tree.leaves(fp.plan.tensors)
+    axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
+    if fp.plan.splits_ep:
+        axis_kwargs["ep_axis"] = EP_AXIS
+    return FlatProgram(
+        with_metrics(loss_fn, options.has_aux), inner, fp, options,
+        None if groups is None else tuple(group_leaves(groups)), zero.param_gather_dtype, keep_main, axis_kwargs,
+        scheduled=zero.overlap_grad_reduce or fp.params_rest_sharded, reshard_after_forward=zero.reshard_after_forward,
+    )  # fmt: skip
 
 
 def build_flat_step(
@@ -252,9 +285,9 @@ def build_flat_step(
     inner: optax.GradientTransformation,
     fp: FlatPlan,
     options: StepOptions,
+    zero: ZeroConfig,
     *,
     groups: PyTree | None = None,
-    param_gather_dtype: ParamGatherDType | None = None,
     offload: Offload | None = None,
 ) -> Programs:
     """The flat path's shardings, optimizer init, jitted step, grads and evaluate.
@@ -267,26 +300,18 @@ def build_flat_step(
         tokens to their experts' ranks and back.
       inner: an element-wise optax transformation (`build.build_zero` checks it with `probe.check_elementwise`).
       options: microbatches, grad reduce dtype, clipping, loss scaling, has_aux.
+      zero: `overlap_grad_reduce` (per-unit reduction inside the backward), `reshard_after_forward`,
+        `param_gather_dtype` (all-gather the updated shards blockwise-quantized, `quantize.gather_quantized`).
       groups: per param a `groups.ParamGroup`, or None.
-      param_gather_dtype: all-gather the updated shards blockwise-quantized to this dtype
-        (`quantize.gather_quantized`) instead of in the param dtype; None: the param dtype.
       offload: the buckets whose state lives in host memory between steps (`flat/offload.py`),
         or None; the step copies them to device memory around the update.
     """
-    mesh, plan = fp.plan.mesh, fp.plan
-    tensors = jax.tree.leaves(plan.tensors)
-    opt_sh = opt_state_shardings(inner, fp, options.loss_scale, quantized=param_gather_dtype is not None)
+    mesh = fp.plan.mesh
+    opt_sh = state.opt_state_shardings(inner, fp, options.loss_scale, quantized=zero.param_gather_dtype is not None)
     shardings = TrainState(
-        plan.param_shardings(), opt_sh if offload is None else offload.shardings(opt_sh), NamedSharding(mesh, P())
+        state.param_shardings(fp), opt_sh if offload is None else offload.shardings(opt_sh), NamedSharding(mesh, P())
     )
-    axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
-    if plan.splits_ep:
-        axis_kwargs["ep_axis"] = EP_AXIS
-    program = FlatProgram(
-        with_metrics(loss_fn, options.has_aux), inner, fp, options,
-        None if groups is None else tuple(group_leaves(groups)), param_gather_dtype,
-        opt_sh.main_params is not None, axis_kwargs,
-    )  # fmt: skip
+    program = _program(loss_fn, inner, fp, options, zero, groups, opt_sh.main_params is not None)
     param_specs, opt_specs, reduce_specs = _specs(shardings.params), _specs(opt_sh), fp.bucket_specs()
     grads_fn = jax.shard_map(
         program.grads, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P()), out_specs=((P(), P()), reduce_specs)
@@ -314,12 +339,14 @@ def build_flat_step(
 
     replicated, batch_sh = NamedSharding(mesh, P()), batch_sharding(mesh)
     step_jit = jax.jit(
-        step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0
-    )
+        step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0,
+        compiler_options=step_compiler_options(mesh, zero) or None,
+    )  # fmt: skip
     grads_jit = jax.jit(
         lambda params, batch: grads_fn(params, batch, None)[1],
         in_shardings=(shardings.params, batch_sh),
         out_shardings=[NamedSharding(mesh, spec) for spec in reduce_specs],
     )
     eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
-    return Programs(shardings, init_opt, step_jit, grads_jit, eval_jit)
+    to_state = functools.partial(state.from_model_params, fp) if fp.params_rest_sharded else None
+    return Programs(shardings, init_opt, step_jit, grads_jit, eval_jit, to_state)

@@ -40,29 +40,13 @@ from jax.sharding import PartitionSpec as P
 from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.loss_scale import scaled_loss
+from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, with_metrics
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
 from jzero.zero.common.units import Hook, UnitParam, materialize
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
-
-
-class Phase(NamedTuple):
-    """How one micro-batch's backward treats the params and grads (module docstring).
-
-    gather: the params enter as they rest sharded and are gathered per unit.
-    reduce: each grad is reduced over DP in the backward; False: the sink gets this rank's own.
-    extract: the gathered params come out beside the grads (ZeRO-1/2's first micro-batch).
-    acc: the rank's grads accumulated so far are added before the reduction (DDP/ZeRO-1's last).
-    stacked: the params enter as each rank's copy, stacked `[n_dp, *shape]` (what `extract` gave).
-    """
-
-    gather: bool
-    reduce: bool
-    extract: bool = False
-    acc: bool = False
-    stacked: bool = False
 
 
 def unit_hooks(plan: ShardingPlan, options: StepOptions, reshard_after_forward: bool, phase: Phase) -> PyTree:
@@ -239,52 +223,15 @@ def reduced_grads(
 
 
 def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scale):
-    """The micro-batches as `Phase`s (module docstring): (losses [M, n_dp], metrics, reduced grads)."""
+    """The micro-batches as `Phase`s (`common/schedule.py`): (losses [M, n_dp], metrics, reduced grads)."""
     run = functools.partial(run_phase, loss_metrics, plan, options, config, loss_scale=loss_scale)
-    m, gather = options.microbatches, plan.params_rest_sharded
-    each = plan.shards_grads or m == 1  # every micro-batch reduces (ZeRO-2/3), or the only one does
-    first = Phase(gather, reduce=each, extract=gather and not plan.shards_params and m > 1)
-    if each and not first.extract:  # every micro-batch alike (ZeRO-3, ZeRO-2 without overlap_param_gather)
-        return _alike(run, first, params, mbs, plan, options)
-    loss, metrics, g, full = run(first, params, jax.tree.map(lambda x: x[0], mbs))
-    if each and m > 1:  # XLA:GPU would fold rs(first) + rs(next) into rs(first + next): a whole local grad
-        g = jax.lax.optimization_barrier(g)  # buffer for what is not in a unit (embedding, head) at M = 2
-    params = full if first.extract else params
-    losses, metrics = [loss[None]], [jax.tree.map(lambda x: x[None], metrics)]
-    middle = mbs if each else jax.tree.map(lambda x: x[:-1], mbs)  # [1:] of these run alike
-    if jax.tree.leaves(middle)[0].shape[0] > 1:
-        later = Phase(False, reduce=each, stacked=first.extract)
-        g, loss, metric = _accumulate(run, later, params, jax.tree.map(lambda x: x[1:], middle), g)
-        losses, metrics = losses + [loss], metrics + [metric]
-    if not each:  # DDP / ZeRO-1: the last micro-batch adds the accumulated grads and reduces per unit
-        last = Phase(False, reduce=True, acc=True, stacked=first.extract)
-        loss, metric, g, _ = run(last, params, jax.tree.map(lambda x: x[-1], mbs), g)
-        losses, metrics = losses + [loss[None]], metrics + [jax.tree.map(lambda x: x[None], metric)]
-    cat = lambda *xs: jnp.concatenate(xs)  # noqa: E731
-    return jnp.concatenate(losses), jax.tree.map(cat, *metrics), g
-
-
-def _accumulate(run, phase, params, mbs, acc):
-    """`phase` over the micro-batches `mbs` [k, ...] in a scan, its grads summed into `acc`: (acc, losses
-    [k, n_dp], metrics)."""
-
-    def body(acc, mb):
-        loss, metrics, g, _ = run(phase, params, mb)
-        return jax.tree.map(jnp.add, acc, g), (loss, metrics)
-
-    acc, (losses, metrics) = jax.lax.scan(body, acc, mbs)
-    return acc, losses, metrics
-
-
-def _alike(run, phase, params, mbs, plan, options):
-    """Every micro-batch in `phase` (which reduces): one run, or a scan summing into zeros."""
-    if jax.tree.leaves(mbs)[0].shape[0] == 1:
-        loss, metrics, g, _ = run(phase, params, jax.tree.map(lambda x: x[0], mbs))
-        return loss[None], jax.tree.map(lambda m: m[None], metrics), g
-    dtype = options.grad_reduce_dtype
-    zeros = jax.tree.map(lambda t, s: _zeros(t.shape, dtype, s), plan.tensors, plan.grad_shardings())
-    acc, losses, metrics = _accumulate(run, phase, params, mbs, zeros)
-    return losses, metrics, acc
+    zeros = lambda: jax.tree.map(  # noqa: E731
+        lambda t, s: _zeros(t.shape, options.grad_reduce_dtype, s), plan.tensors, plan.grad_shardings()
+    )
+    return run_schedule(
+        run, params, mbs, gather=plan.params_rest_sharded, shards_grads=plan.shards_grads,
+        shards_params=plan.shards_params, zeros=zeros,
+    )  # fmt: skip
 
 
 def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale):

@@ -21,10 +21,11 @@ from jzero.mesh import BATCH_AXES, axes_size
 from jzero.zero.common.batch import batch_sharding, split_batch
 from jzero.zero.common.compiler import step_compiler_options
 from jzero.zero.common.offload import Offload
+from jzero.zero.common.schedule import Phase
 from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, with_metrics
 from jzero.zero.common.strategies import ShardingPlan, restrict
 from jzero.zero.config import StepOptions, ZeroConfig
-from jzero.zero.spec.grads import Phase, ep_kwargs, reduced_grads, unit_hooks, unit_view
+from jzero.zero.spec.grads import ep_kwargs, reduced_grads, unit_hooks, unit_view
 from jzero.zero.spec.optimizer import zero_optimizer
 
 PyTree = Any

@@ -21,6 +21,9 @@ from jzero.zero.flat.buffers import bucket_end_divisor, build_layout
 from jzero.zero.memory import per_device_bytes
 
 DP_AXES = {"dp_outer", "dp", "ep"}
+# One layout over the whole model, every bucket reduced after the backward: the program these tests pin
+# (per-unit buffers, reduced inside the backward: tests/zero/flat/test_hooks.py, test_grads.py).
+WHOLE = {"overlap_grad_reduce": False}
 
 
 def _compiled_collectives(run):
@@ -30,7 +33,7 @@ def _compiled_collectives(run):
 
 
 def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
-    cfg = tiny_config("optim_grads", (4, 1, 2), zero={"path": "flat", "bucket_size": 5000})
+    cfg = tiny_config("optim_grads", (4, 1, 2), zero={"path": "flat", "bucket_size": 5000, **WHOLE})
     run = setup(cfg)
     fp = run.zero.flat
     buffer_bytes = 4 * fp.layout.numel  # fp32 grads and params, tp-local
@@ -50,7 +53,7 @@ def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
 def test_zero1_reduce_scatters_once_with_ddp_wire_bytes(microbatches):
     """Megatron's distributed optimizer: the full local buffer accumulates, one reduce-scatter after
     the last microbatch, one all-gather: DDP's all-reduce bytes (fp32 grads and params)."""
-    kw = dict(microbatches=microbatches, zero={"path": "flat"}, train={"global_batch": 32})
+    kw = dict(microbatches=microbatches, zero={"path": "flat", **WHOLE}, train={"global_batch": 32})
     ddp, z1 = setup(tiny_config("no_shard", **kw)), setup(tiny_config("optim", **kw))
     buffer_bytes = 4 * z1.zero.flat.layout.numel
     ddp_cs, z1_cs = _compiled_collectives(ddp), _compiled_collectives(z1)
@@ -72,7 +75,7 @@ def test_zero1_reduce_scatters_once_with_ddp_wire_bytes(microbatches):
 @pytest.mark.parametrize("dtype, main_bytes", [("float32", 0), ("bfloat16", 4)])
 @pytest.mark.matrix
 def test_optimizer_bytes_are_owned_elements_times_state_bytes(dtype, main_bytes):
-    zero = {"path": "flat", "bucket_size": 7000}
+    zero = {"path": "flat", "bucket_size": 7000, **WHOLE}
     cfg = tiny_config("optim_grads", (8, 1, 1), zero=zero, precision={"param_dtype": dtype})
     run = setup(cfg)
     fp = run.zero.flat
@@ -97,7 +100,7 @@ def test_flat_refuses_non_elementwise_optimizers():
 
 
 def test_layout_cli_answers_who_owns_what(capsys):
-    argv = ["layout", "--set", "mesh.dp=4", "--set", "mesh.tp=2"]
+    argv = ["layout", "--set", "mesh.dp=4", "--set", "mesh.tp=2", "--set", "zero.overlap_grad_reduce=false"]
     argv += ["--set", "zero.bucket_size=100000", "--set", "model.n_layers=2"]
     assert main(argv + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -116,6 +119,27 @@ def test_layout_cli_answers_who_owns_what(capsys):
     assert main(argv + ["--rank", "9"]) == 2
 
 
+def test_layout_cli_prints_each_units_layout(capsys):
+    """With units (the default, overlap on): one layout per block and the rest's, each its params' alone,
+    every param's ranges tiled by the ranks."""
+    argv = ["layout", "--set", "mesh.dp=4", "--set", "mesh.tp=2", "--set", "model.n_layers=2"]
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [g["unit"] for g in d["groups"]] == ["blocks/0", "blocks/1", None]
+    for g in d["groups"]:
+        (buf,) = g["buffers"]
+        names = {p["name"] for p in buf["params"]}
+        assert all(n.startswith(g["unit"] + "/") for n in names) if g["unit"] else not any("blocks" in n for n in names)
+        covered = {}
+        for r in buf["ranks"]:
+            for o in r["owned"]:
+                covered[o["name"]] = covered.get(o["name"], 0) + o["param"][1] - o["param"][0]
+        assert covered == {p["name"]: p["numel"] for p in buf["params"]}
+    assert main(argv + ["--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "group: FSDP unit blocks/1" in out and "group: params in no unit" in out and "rank 1 owns" in out
+
+
 # ---------------------------------------------------------------- expert buffer
 
 MOE = {"num_experts": 6, "top_k": 2, "every": 2, "capacity_factor": 1.0}
@@ -128,7 +152,7 @@ def _moe_run(strategy="optim_grads", mesh=(2, 3, 1), num_experts=6, zero=None, *
     cfg = tiny_config(
         strategy,
         mesh,
-        zero={"path": "flat"} | (zero or {}),
+        zero={"path": "flat", **WHOLE} | (zero or {}),
         model={"moe": MOE | {"num_experts": num_experts}},
         train={"global_batch": 12},
         **sections,
@@ -160,7 +184,8 @@ def test_moe_has_a_dense_and_an_expert_buffer_each_padded_for_its_dp_size():
         jax.sharding.PartitionSpec(("ep", "tp"), ("dp_outer", "dp")),
     ]
     # A dense model keeps its one buffer: no empty expert buffer.
-    assert [b.kind for b in setup(tiny_config(zero={"path": "flat"}), with_data=False).zero.flat.buffers] == ["dense"]
+    dense = tiny_config(zero={"path": "flat", **WHOLE})
+    assert [b.kind for b in setup(dense, with_data=False).zero.flat.buffers] == ["dense"]
 
 
 @pytest.mark.slow
@@ -191,7 +216,7 @@ def test_expert_state_round_trips_through_model_space():
     run = _moe_run("optim_grads", (2, 2, 2), 4, {"bucket_size": 3000}, precision={"param_dtype": "bfloat16"})
     state = run.init_state()
     model = jax.jit(run.zero.to_model_space)(state.opt_state)
-    for m, p in zip(jax.tree.leaves(model.main_params), jax.tree.leaves(state.params)):
+    for m, p in zip(jax.tree.leaves(model.main_params), jax.tree.leaves(run.zero.full_params(state.params))):
         np.testing.assert_array_equal(m, np.asarray(p, np.float32))
     rng = np.random.default_rng(0)
     x = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype) if a.ndim else a, model)
@@ -203,6 +228,7 @@ def test_expert_state_round_trips_through_model_space():
 
 def test_layout_cli_shows_the_expert_buffer_over_the_expert_dp_domain(capsys):
     argv = ["layout", "--set", "mesh.dp=2", "--set", "mesh.ep=2", "--set", "mesh.tp=2", "--set", "model.n_layers=2"]
+    argv += ["--set", "zero.overlap_grad_reduce=false"]
     argv += ["--set", "model.moe.num_experts=4", "--set", "model.moe.every=2"]
     assert main(argv + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -12,7 +12,7 @@ from jzero.zero.common.strategies import make_plan, path_name
 from jzero.zero.config import ShardingStrategy
 from jzero.zero.flat.offload import flat_offload
 from jzero.zero.flat.plan import make_flat_plan
-from jzero.zero.flat.step import opt_state_shardings
+from jzero.zero.flat.state import opt_state_shardings
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0, 0.0])

@@ -1,22 +1,26 @@
-"""jzero.zero.flat.plan: the flat-buffer view of a ShardingPlan: one buffer of the local params in leaves
-order, Megatron's layout over it, and the per-device operations (flatten, unflatten, owned, values_on_shard)."""
+"""jzero.zero.flat.plan: the flat-buffer view of a ShardingPlan: Megatron's layout over the local params,
+one buffer per group (the whole model's, or each FSDP unit's and the rest's; a scanned stack's laid out per
+layer), and what the flat path refuses. The per-device operations on it: tests/zero/flat/test_local.py."""
 
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import pytree
+from helpers import flat_config, pytree
 from jzero.errors import ConfigError
 from jzero.mesh import DENSE_DP_AXES as DP
+from jzero.train.loop import setup
 from jzero.zero.common.strategies import make_plan
 from jzero.zero.config import ShardingStrategy
-from jzero.zero.flat.plan import flatten, make_flat_plan, owned, unflatten, values_on_shard
+from jzero.zero.flat.buffers import build_layout
+from jzero.zero.flat.plan import REST, make_flat_plan
 
 LEAVES = ["bias", "s", "v", "w"]  # jax's order of the model's dict
+SCAN = {"scan_layers": True, "remat": True}
+MOE = {"moe": {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}}
 
 
 def flat_plan(dp=4, tp=1, strategy=ShardingStrategy.OPTIM, bucket_size=None, abstract=None):
@@ -39,47 +43,52 @@ def test_one_dense_buffer_of_the_tp_local_params():
     assert ddp.shard_size(0) == ddp.buffers[0].layout.numel and ddp.bucket_specs() == [P("tp", None)]
 
 
-def test_flatten_puts_each_param_at_its_range_and_zeros_elsewhere():
-    fp = flat_plan(bucket_size=100)
-    (buf,) = fp.buffers
-    assert buf.n_buckets > 1
-    leaves = jax.tree.leaves(pytree.init_params())
-    buckets = flatten(fp, leaves, jnp.float32)
-    for b, bucket in enumerate(buckets):
-        start, end = buf.layout.bucket_indices[b]
-        assert bucket.shape == (end - start,)
-        filled = np.zeros(end - start, bool)
-        for j in buf.layout.bucket_params[b]:
-            ps, pe, _ = buf.layout.param_index_map[j]
-            np.testing.assert_array_equal(bucket[ps - start : pe - start], leaves[buf.params[j]].reshape(-1))
-            filled[ps - start : pe - start] = True
-        assert not np.any(np.asarray(bucket)[~filled])  # alignment gaps and end padding
-        shards = [owned(buf, bucket, r) for r in range(buf.d)]
-        assert {s.shape for s in shards} == {(fp.shard_size(b),)}
-        np.testing.assert_array_equal(jnp.concatenate(shards), bucket)  # rank r owns [r S/d, (r+1) S/d)
-    back = unflatten(fp, buckets, [x.dtype for x in leaves])
-    for a, x in zip(back, leaves):
-        np.testing.assert_array_equal(a, x)
-
-
-def test_values_on_shard_are_each_elements_params_value():
-    fp = flat_plan(bucket_size=100)
-    (buf,) = fp.buffers
-    per_param = [0.5, 2.0, 3.0, 0.0]  # leaves order
-    for b in range(buf.n_buckets):
-        start, _ = buf.layout.bucket_indices[b]
-        size = buf.shard_size(b)
-        for r in range(buf.d):
-            values = np.asarray(jax.jit(lambda r, b=b: values_on_shard(buf, b, per_param, r))(jnp.int32(r)))
-            assert values.shape == (size,)
-            for j in buf.layout.bucket_params[b]:
-                ps, pe, _ = buf.layout.param_index_map[j]
-                lo, hi = max(ps - start, r * size), min(pe - start, (r + 1) * size)  # the param's part of the shard
-                if lo < hi:
-                    assert np.all(values[lo - r * size : hi - r * size] == per_param[buf.params[j]])
-
-
 def test_the_flat_path_needs_one_param_dtype():
     mixed = pytree.abstract() | {"bias": jax.ShapeDtypeStruct((6,), jnp.bfloat16)}
     with pytest.raises(ConfigError, match=r"^zero.path=flat needs one param dtype \(one buffer\); got"):
         flat_plan(abstract=mixed)
+
+
+# ---------------------------------------------------------------- per FSDP unit
+
+
+@pytest.mark.parametrize("model", [{}, SCAN, MOE], ids=["unrolled", "scanned", "moe"])
+def test_each_unit_is_laid_out_as_megatron_lays_out_its_params(model):
+    """One group per block (a scanned stack: one group, laid out per layer) and one of the rest; each
+    group's buffer is `build_layout` of its params' local element counts, with the bucket size applied
+    within the group; together the groups hold every param once."""
+    mesh = (2, 2, 2) if "moe" in model else (4, 1, 2)
+    run = setup(flat_config("optim_grads", mesh, model=model, bucket_size=3000), with_data=False)
+    fp, tensors = run.zero.flat, jax.tree.leaves(run.zero.plan.tensors)
+    n_layers = run.cfg.model.n_layers
+    units = [g.key for g in fp.groups if g.key != REST]
+    assert units == (["blocks"] if model.get("scan_layers") else [f"blocks/{i}" for i in range(n_layers)])
+    assert sorted(i for g in fp.groups for i in g.params) == list(range(len(tensors)))
+    for g in fp.groups:
+        assert all(tensors[i].unit_dims is not None for i in g.params) == (g.key != REST)
+        assert g.layers == (n_layers if g.key == "blocks" else None)
+        for buf in g.buffers:
+            numels = [math.prod(fp.layer_shape(i)) for i in buf.params]
+            assert buf.layout == build_layout(numels, buf.layout.dp_size, 3000)
+            assert set(buf.params) <= set(g.params) and buf.lead == ((g.layers,) if g.layers else ())
+    kinds = {buf.kind for g in fp.groups if g.key != REST for buf in g.buffers}
+    assert kinds == ({"dense", "expert"} if "moe" in model else {"dense"})
+
+
+def test_a_scanned_stacks_buckets_are_stacked_per_layer():
+    """[L, tp, S_b] buckets split over DP on S_b; the optimizer state as [L, tp, S_b] too; the model params,
+    resting as bucket shards (ZeRO-2's overlap_param_gather), split over the inner DP axes."""
+    run = setup(flat_config("optim_grads", (4, 1, 2), model=SCAN, bucket_size=3000), with_data=False)
+    fp, z = run.zero.flat, run.zero
+    stacked = [(buf, b) for buf, b in fp.buckets if buf.layers]
+    assert len(stacked) > 1 and fp.params_rest_sharded
+    dp = ("dp_outer", "dp", "ep")
+    for k, (buf, b) in enumerate(fp.buckets):
+        want = (*buf.lead, 2, buf.numel(b))
+        assert fp.bucket_shapes()[k] == want and fp.shard_shape(k) == (*buf.lead, buf.numel(b) // 4)
+        assert fp.bucket_specs()[k] == (P(None, "tp", dp) if buf.layers else P("tp", dp))
+        assert z.shardings.params[k].spec == fp.bucket_specs()[k]  # inner axes = every DP axis here
+    state = jax.eval_shape(run.init_state)
+    assert [x.shape for x in state.params] == fp.bucket_shapes()
+    moments = jax.tree_util.tree_flatten_with_path(state.opt_state.inner_state)[0]
+    assert {x.shape == fp.bucket_shapes()[path[-1].idx] for path, x in moments if x.ndim} == {True}

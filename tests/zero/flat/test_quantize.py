@@ -127,7 +127,8 @@ def _dp_gathers(run, state) -> list:
 @pytest.mark.matrix
 def test_model_copy_is_the_blockwise_quantized_main_params(dtype):
     """fp32 params (jzero then keeps fp32 main params beside the quantized copy), three buckets, dp=8."""
-    cfg = tiny_config(zero={"path": "flat", "bucket_size": 20000, "param_gather_dtype": dtype}, model={"n_layers": 1})
+    zero = {"path": "flat", "bucket_size": 20000, "param_gather_dtype": dtype, "overlap_grad_reduce": False}
+    cfg = tiny_config(zero=zero, model={"n_layers": 1})
     run = setup(cfg)
     fp = run.zero.flat
     assert fp.n_buckets > 1 and any(fp.shard_size(b) % BLOCK for b in range(fp.n_buckets))  # a shorter last block
@@ -176,7 +177,7 @@ def test_expert_buffer_and_hsdp_two_level_gather_move_codes_and_scales():
     cfg = tiny_config(
         "optim_grads",
         (2, 2, 1),
-        zero={"path": "flat", "outer_strategy": "optim", "param_gather_dtype": "int8"},
+        zero={"path": "flat", "outer_strategy": "optim", "param_gather_dtype": "int8", "overlap_grad_reduce": False},
         model={"n_layers": 1, "moe": {"num_experts": 4, "top_k": 2, "every": 1}},
     )
     run = setup(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=2)), with_data=False)

@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 from helpers import pytree
 from jzero.mesh import DENSE_DP_AXES as DP
 from jzero.zero.common.batch import batch_sharding
+from jzero.zero.common.schedule import Phase
 from jzero.zero.common.strategies import make_plan
-from jzero.zero.config import OuterStrategy, ShardingStrategy, StepOptions
+from jzero.zero.config import OuterStrategy, ShardingStrategy, StepOptions, ZeroConfig
 from jzero.zero.spec.step import build_evaluate, reduced_grads, unit_hooks
 
 UNITS = {"w": 0, "bias": 0, "v": None, "s": None}
@@ -30,7 +31,7 @@ def test_reduced_grads_are_the_grads_of_the_whole_batch(strategy, microbatches):
     options = StepOptions(microbatches=microbatches, grad_reduce_dtype=jnp.float32)
     replicated = NamedSharding(mesh, P())
     grads = jax.jit(
-        lambda p, b: reduced_grads(pytree.loss, p, b, plan, options),
+        lambda p, b: reduced_grads(pytree.loss, p, b, plan, options, ZeroConfig(strategy)),
         in_shardings=(plan.param_shardings(), batch_sharding(mesh)),
         out_shardings=(replicated, replicated, plan.grad_shardings()),
     )
@@ -49,7 +50,8 @@ def test_unit_hooks_gather_sharded_params_and_scale_every_grad():
     plan = make_plan(
         pytree.mesh(dp=4), ShardingStrategy.OPTIM_GRADS_PARAMS, pytree.abstract(), pytree.NO_TP, units=UNITS
     )
-    hooks = unit_hooks(plan, scale=1 / 8, reduce_dtype=jnp.bfloat16, reshard_after_forward=True)
+    options = StepOptions(microbatches=2, grad_reduce_dtype=jnp.bfloat16)  # 1 / (d x M) = 1 / 8
+    hooks = unit_hooks(plan, options, True, Phase(gather=True, reduce=True))
     w, bias, s = hooks["w"], hooks["bias"], hooks["s"]
     assert (w.dim, w.inner, w.outer, w.gather, w.reshard, w.to_varying) == (-2, DP, (), True, True, ())
     assert (s.dim, s.gather) == (-2, True)  # dim 1 of 3, counted from the end
@@ -64,6 +66,6 @@ def test_hsdp_hooks_reduce_across_dp_outer_after_the_inner_axes(outer):
     plan = make_plan(
         mesh, ShardingStrategy.OPTIM_GRADS_PARAMS, pytree.abstract(), pytree.NO_TP, units=UNITS, outer_strategy=outer
     )
-    w = unit_hooks(plan, 1 / 4, jnp.float32, True)["w"]
+    w = unit_hooks(plan, StepOptions(), True, Phase(gather=True, reduce=True))["w"]
     assert (w.inner, w.outer) == (("dp", "ep"), ("dp_outer",))
     assert w.outer_scatter == (OuterStrategy(outer) == OuterStrategy.OPTIM)

@@ -1,0 +1,113 @@
+"""The flat path's gradients with overlap: each bucket reduced inside the backward, per FSDP unit.
+
+With `zero.overlap_grad_reduce` (and always under ZeRO-3) the flat buffers are laid out per FSDP
+unit (`plan.py`) and every bucket's grads are reduced by its hook the moment its unit's backward
+is done (`hooks.py`): a scanned stack's buckets inside the layer loop, one layer's slice at a time;
+the rest group's (embeddings, final norm, head) when the loss's backward completes them. The
+micro-batches follow Megatron, as on the spec path (`common/schedule.py`):
+
+  ZeRO-2/3: every micro-batch reduce-scatters each bucket into the owned shard's accumulator.
+  DDP, ZeRO-1: the first M-1 micro-batches accumulate this rank's own buckets ([S_b], Megatron's
+    grad buffer); the last adds them before its per-unit psum (DDP) or psum_scatter (ZeRO-1).
+  Params resting as bucket shards (ZeRO-3; ZeRO-1/2 with `overlap_param_gather`): each unit's buckets
+    are all-gathered just before it runs; ZeRO-3 again for its backward (`reshard_after_forward`)
+    and in every micro-batch; ZeRO-1/2 in the first micro-batch only, which hands the whole buckets
+    it gathered to the later ones.
+
+Everything here runs per device, inside the step's shard_map over the whole mesh: a bucket is
+[S_b] ([L, S_b] stacked), its owned shard [S_b/d] (`local.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero.mesh import AXES, BATCH_AXES
+from jzero.zero.common.loss_scale import scaled_loss
+from jzero.zero.common.schedule import Phase, run_schedule
+from jzero.zero.common.units import BucketParam
+from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
+from jzero.zero.flat.local import from_local
+
+PyTree = Any
+
+
+def _zeros(shape, dtype, axes) -> jax.Array:
+    """Zeros varying over `axes` (a sink's type: `hooks.sink_axes`)."""
+    return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
+
+
+def _mode(prog, phase: Phase) -> str:
+    if phase.stacked:
+        return BUCKET
+    return SHARD if phase.gather and prog.fp.params_rest_sharded else PARAMS
+
+
+def phase_hooks(prog, phase: Phase) -> list:
+    """Per plan bucket, the `hooks.BucketHook` of `phase`."""
+    fp, o, mode = prog.fp, prog.options, _mode(prog, phase)
+    plan = fp.plan
+    return bucket_hooks(
+        fp, mode, 1.0 / (fp.d * o.microbatches), o.grad_reduce_dtype, reduce=phase.reduce, extract=phase.extract,
+        keep=mode == SHARD and not plan.shards_params,
+        reshard=mode == SHARD and prog.reshard_after_forward and plan.shards_params,
+    )  # fmt: skip
+
+
+def sinks(prog, reduce: bool) -> list[jax.Array]:
+    """Per plan bucket, zeros shaped like what its grads become: the owned shard of the reduced bucket
+    (all of it under DDP), or this rank's own bucket when the phase only accumulates."""
+    fp, dtype = prog.fp, prog.options.grad_reduce_dtype
+    shapes = [fp.shard_shape(k) if reduce else (*buf.lead, buf.numel(b)) for k, (buf, b) in enumerate(fp.buckets)]
+    return [_zeros(s, dtype, sink_axes(buf, reduce)) for s, (buf, _) in zip(shapes, fp.buckets)]
+
+
+def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None):
+    """One micro-batch `mb` on this device as `phase` says: (loss, metrics, per plan bucket its grads,
+    the gathered buckets when extracting else None). `params`: as the state holds them (model-shaped
+    tp-local, or the resting bucket shards), or the buckets an extracting phase gave (`phase.stacked`)."""
+    fp = prog.fp
+    hooks = phase_hooks(prog, phase)
+    values = bucket_values(fp, _mode(prog, phase), params)
+    gsinks = None
+    if phase.extract:
+        dtype = prog.param_dtype
+        gsinks = [_zeros((*buf.lead, buf.numel(b)), dtype, AXES) for buf, b in fp.buckets]
+    accs = acc if phase.acc else [None] * fp.n_buckets
+    treedef = jax.tree.structure(fp.plan.tensors)
+
+    def loss_of(sinks, gsinks):
+        extra = [None] * fp.n_buckets if gsinks is None else gsinks
+        buckets = [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)]
+        return scaled_loss(prog.loss_fn, loss_scale)(flat_view(fp, treedef, buckets), mb, **prog.axis_kwargs)
+
+    grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
+    (_, (loss, metrics)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)
+    return loss, metrics, g, full
+
+
+def scheduled_grads(prog, params, batch, loss_scale=None):
+    """((loss, metrics) averaged over DP and micro-batches, the reduced grad buckets as shard_map returns
+    them: [1, S_b/d] ([L, 1, S_b/d] stacked; [S_b] under DDP)), of the loss times `loss_scale` if given."""
+    fp, plan = prog.fp, prog.fp.plan
+    run = functools.partial(run_phase, prog, loss_scale=loss_scale)
+    losses, metrics, g = run_schedule(
+        run, params, prog.rank_microbatches(batch), gather=fp.params_rest_sharded, shards_grads=plan.shards_grads,
+        shards_params=plan.shards_params, zeros=lambda: sinks(prog, True),
+    )  # fmt: skip
+    means = (jnp.mean(losses), jax.tree.map(jnp.mean, metrics))
+    return jax.lax.pmean(means, BATCH_AXES), [from_local(buf, x) for (buf, _), x in zip(fp.buckets, g)]
+
+
+def evaluate_view(prog, params) -> PyTree:
+    """The params as the step's forward sees them, for the loss without grads: the resting bucket shards
+    gathered per unit (the sinks, never differentiated, only need the layer dims a scan slices)."""
+    fp = prog.fp
+    hooks = phase_hooks(prog, Phase(gather=True, reduce=True))
+    values = bucket_values(fp, SHARD, params)
+    buckets = [BucketParam(v, jnp.zeros(buf.lead), h) for v, h, (buf, _) in zip(values, hooks, fp.buckets)]
+    return flat_view(fp, jax.tree.structure(fp.plan.tensors), buckets)

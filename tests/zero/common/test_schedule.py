@@ -1,0 +1,63 @@
+"""jzero.zero.common.schedule: Megatron's micro-batch schedule with overlap, which both paths share: which
+micro-batch gathers, reduces, hands its gathered params on or only accumulates, and the grads summed."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jzero.zero.common.schedule import Phase, run_schedule
+
+
+def _schedule(m, gather, shards_grads, shards_params):
+    """The phases `run_schedule` traces over `m` micro-batches, in order (the micro-batches a scan runs
+    alike are traced once), and the grads it returns, of a `run` whose grads are the micro-batch's value."""
+    phases = []
+
+    def run(phase, params, mb, acc=None):
+        assert phase.stacked == (params == "gathered")
+        phases.append(phase)
+        g = mb + (acc if phase.acc else 0.0)
+        return mb * 0.0, {"m": mb}, g, "gathered" if phase.extract else None
+
+    mbs = jnp.arange(1.0, m + 1)
+    losses, metrics, g = run_schedule(
+        run, "resting", mbs, gather=gather, shards_grads=shards_grads, shards_params=shards_params,
+        zeros=lambda: jnp.zeros(()),
+    )  # fmt: skip
+    assert losses.shape == (m,) and metrics["m"].shape == (m,)
+    np.testing.assert_array_equal(metrics["m"], mbs)  # every micro-batch once, in order
+    return phases, float(g)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_ddp_and_zero1_accumulate_then_reduce_once_in_the_last(gather):
+    """DDP / ZeRO-1 over 3 micro-batches: none reduces but the last, which adds the carry; with params
+    resting sharded the first gathers and hands them on (extract), the others take what it gave."""
+    phases, g = _schedule(3, gather, shards_grads=False, shards_params=False)
+    assert [p.reduce for p in phases] == [False, False, True]
+    assert phases[-1].acc and not any(p.acc for p in phases[:-1])
+    assert [p.gather for p in phases] == [gather, False, False]
+    assert [p.extract for p in phases] == [gather, False, False]
+    assert [p.stacked for p in phases] == [False, gather, gather]
+    assert g == 1 + 2 + 3
+
+
+def test_zero2_reduces_every_micro_batch_and_gathers_once():
+    phases, g = _schedule(3, True, shards_grads=True, shards_params=False)
+    assert all(p.reduce for p in phases) and not any(p.acc for p in phases)
+    assert [p.gather for p in phases] == [True, False] and phases[0].extract  # the later two in one scan
+    assert phases[1].stacked
+    assert g == 6
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_zero3_runs_every_micro_batch_alike(m):
+    """ZeRO-3 gathers and reduces in every micro-batch (its params are never handed on)."""
+    phases, g = _schedule(m, True, shards_grads=True, shards_params=True)
+    assert set(phases) == {Phase(gather=True, reduce=True)}
+    assert g == sum(range(1, m + 1))
+
+
+def test_one_micro_batch_reduces_without_a_carry():
+    phases, g = _schedule(1, False, shards_grads=False, shards_params=False)
+    assert phases == [Phase(gather=False, reduce=True)] and g == 1
