@@ -381,6 +381,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        if not isinstance(raw, dict):  # before --set, which would index into it
+            raise ConfigError(
+                f"config file {path} must be a mapping of sections (model:, train:, ...), "
+                f"not a {type(raw).__name__}: {str(raw)[:80]}"
+            )
     for assignment in overrides:
         _apply_override(raw, assignment)
     cfg = _build(Config, raw, "")

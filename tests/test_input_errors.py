@@ -84,3 +84,13 @@ def test_out_is_not_writable(tmp_path, capsys, monkeypatch):
     err = error_line(["train", "--out", str(out)], capsys)
     assert err == f"jzero: error: --out {out}: directory {locked} is not writable"
     assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("42\n", "int"), ("just words\n", "str")])
+@pytest.mark.parametrize("sets", [[], ["--set", "train.steps=1"]])
+def test_config_file_that_is_not_a_mapping(text, kind, sets, tmp_path, capsys):
+    """Before, with --set this was an AttributeError traceback (--set indexed into the list)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    err = error_line(["train", str(path), "--out", str(tmp_path / "run"), *sets], capsys)
+    assert err.startswith(f"jzero: error: config file {path} must be a mapping of sections") and kind in err
