@@ -66,6 +66,13 @@ def _cmd_train(args) -> int:
         raise ConfigError(f"{name} is {what}" if existing == out else f"{name}: {existing} is {what}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name}: directory {existing} is not writable")
+    if args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues another run's files
+        written = [f for f in ("metrics.jsonl", "summary.json") if (out / f).exists()]
+        if written:
+            raise ConfigError(
+                f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
+                "choose a new --out, or continue that run with --resume"
+            )
     _start(cfg, args)
     from jzero.train import report
     from jzero.train.loop import train

@@ -94,3 +94,14 @@ def test_config_file_that_is_not_a_mapping(text, kind, sets, tmp_path, capsys):
     path.write_text(text)
     err = error_line(["train", str(path), "--out", str(tmp_path / "run"), *sets], capsys)
     assert err.startswith(f"jzero: error: config file {path} must be a mapping of sections") and kind in err
+
+
+@pytest.mark.parametrize("files", [["metrics.jsonl"], ["summary.json"], ["metrics.jsonl", "summary.json"]])
+def test_a_fresh_run_into_another_runs_out_is_refused(files, tmp_path, capsys):
+    """--out is owned like checkpoint.dir: before, a fresh run replaced the earlier run's files."""
+    for f in files:
+        (tmp_path / f).write_text("theirs\n")
+    err = error_line(["train", "--out", str(tmp_path)], capsys)
+    assert err.startswith(f"jzero: error: --out {tmp_path} holds another run's {' and '.join(files)}")
+    assert "--resume" in err
+    assert all((tmp_path / f).read_text() == "theirs\n" for f in files)
