@@ -54,6 +54,13 @@ def _multiprocess(args: argparse.Namespace) -> dict:
 
 
 def _cmd_train(args) -> int:
+    from jzero.train.preemption import Preemption
+
+    with Preemption() as preemption:  # from the start: a SIGTERM in any phase ends the run (docs/operations.md)
+        return _train_command(args, preemption)
+
+
+def _train_command(args, preemption) -> int:
     cfg = load_config(args.config, args.set)
     if args.resume_fallback and args.resume is None:
         raise ConfigError("--resume-fallback only applies with --resume")
@@ -77,7 +84,10 @@ def _cmd_train(args) -> int:
     from jzero.train import report
     from jzero.train.loop import train
 
-    summary = train(cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback)
+    summary = train(
+        cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback,
+        preemption=preemption,
+    )
     if summary is None or not summary:  # nothing left to train, or not process 0
         return 0
     print(report.format_summary(summary))

@@ -15,6 +15,15 @@ import time
 from jzero.config import DistributedConfig
 
 KEY = "jzero"  # jzero's keys in JAX's key-value store (jzero.runtime's too)
+_monitor: Monitor | None = None  # this process's, once started
+
+
+def leaving(what: str) -> None:
+    """Tells the other processes (if any) that this one is about to exit on its own: each stops with
+    "process I of N <what>" instead of waiting `heartbeat_timeout_s` to find it lost."""
+    if _monitor is not None:
+        _monitor.gave_up.set()
+        _monitor._mark(f"error:process {_monitor.me} of {_monitor.n} {what}")
 
 
 class Monitor:
@@ -52,6 +61,8 @@ class Monitor:
         self.lock = threading.Lock()
 
     def start(self) -> None:
+        global _monitor
+        _monitor = self
         for fn in (self._beat, self._judge):
             threading.Thread(target=fn, name=f"jzero{fn.__name__}", daemon=True).start()
         atexit.register(self._leave)  # before JAX's own exit handler (shutdown barrier), registered earlier
