@@ -195,6 +195,9 @@ class TrainConfig:
     # validation data (`data.val_path` or `data.val_fraction`); 0 = never. Synthetic data has none.
     eval_every: int = 50
     eval_batches: int = 4
+    # Before compiling: refuse a run whose state and activations (a floor) cannot fit the devices' memory
+    # (jzero.train.preflight); false runs it anyway.
+    check_memory: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from jzero.optim import lr_schedule
 from jzero.run import Run, build_run
 from jzero.train.data import data_identity, make_datasets
 from jzero.train.preemption import Preemption
+from jzero.train.preflight import check_fits, check_floor, out_of_memory
 from jzero.zero.common.state import TrainState
 
 
@@ -30,8 +31,11 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
     with_data=False skips the dataset (compile-only tools never read it).
     """
     run = build_run(cfg, devices)
-    if not with_data:
-        return run
+    return with_datasets(run) if with_data else run
+
+
+def with_datasets(run: Run) -> Run:
+    """`run` with its training and validation data attached (`_datasets`)."""
     dataset, val_dataset = _datasets(run.cfg)
     return dataclasses.replace(run, dataset=dataset, val_dataset=val_dataset)
 
@@ -101,7 +105,10 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
     from jzero.train import report
     from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
 
-    run = setup(cfg)
+    check_floor(cfg, jax.devices())  # from the config alone: building a model of 20,000 blocks takes minutes
+    run = build_run(cfg)
+    check_fits(run)  # before any state is allocated or any step compiled
+    run = with_datasets(run)
     cfg = run.cfg  # mesh.dp resolved
     ck = cfg.checkpoint
     main_process = jax.process_index() == 0
@@ -135,6 +142,10 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
         metrics_dir = out_dir if main_process else None
         (metrics, state), compile_s = _loop(run, state, start, metrics_dir, ckpt, progress, preemption)
         failed = False
+    except Exception as e:  # the pre-flight's floor fit, yet the device ran out: one line, the same advice
+        if (oom := out_of_memory(e, preemption.phase)) is not None:
+            raise oom from None
+        raise
     finally:
         if ckpt is not None:
             ckpt.close(check=not failed)  # waits for the save in flight; reports its failure
