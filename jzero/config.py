@@ -233,6 +233,10 @@ class DistributedConfig:
 
     timeout_s: int = 60  # to join the run (all processes connected) and to leave it (all finished)
     heartbeat_timeout_s: int = 30  # a process silent this long is lost: the others exit
+    # Progress, not only liveness: once the steps have begun, no process completing a step (its save and
+    # evaluation included) for this long stops every process, naming the slowest and its phase; 0 = off.
+    # Set it above the longest step, save or evaluation (and the spread of the processes' compile times).
+    step_timeout_s: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,8 +587,10 @@ def validate(cfg: Config) -> None:
     _check_precision(cfg.precision)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
-    for f in dataclasses.fields(cfg.distributed):
-        _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
+    for key in ("timeout_s", "heartbeat_timeout_s"):
+        _positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if cfg.distributed.step_timeout_s < 0:
+        raise ConfigError(f"distributed.step_timeout_s={cfg.distributed.step_timeout_s} must be >= 0 (0 = off)")
     if m.impl == GPT_IMPL:
         _check_gpt(m, mesh)
     # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.

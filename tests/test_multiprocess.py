@@ -229,3 +229,22 @@ def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [f"step_{s:08d}" for s in (2, 4, 6)]
+
+
+@pytest.mark.slow
+def test_processes_alive_but_stuck_stop_at_the_step_timeout(tmp_path):
+    """Progress, not only liveness: process 1 hangs in a host call inside its third step and process 0
+    waits in that step's collective; both keep heartbeating. Before, nothing bounded this."""
+    step_s, port = 5, _free_port()
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])]))
+    procs = [subprocess.Popen([sys.executable, "-m", "jzero.cli", "train", "--out", str(tmp_path), *TINY, *FAST,
+                               "--set", "model.impl=helpers.stuck_model:StuckModel", "--set", "train.steps=1000",
+                               "--set", f"distributed.step_timeout_s={step_s}", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(me)],
+                              env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me in (0, 1)]
+    _wait_for_steps(tmp_path, 2, procs)
+    for code, err, seconds in _ends(procs, step_s + 30):
+        assert code == 2, err[-3000:]
+        assert _one_line(err) == (f"no process completed a step in {step_s} s (distributed.step_timeout_s); the "
+                                  "slowest, process 1 of 2, has completed 2 and is in step; exiting")
+        assert seconds < step_s + 10

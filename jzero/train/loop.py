@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jzero import multihost
+from jzero import multihost, peers
 from jzero.config import Config, ConfigError
 from jzero.errors import Preempted, RunError
 from jzero.optim import lr_schedule
@@ -166,6 +166,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     """
     cfg = run.cfg
     preemption.phase = "compile"
+    peers.progress(start, "compile")
     if progress and out_dir is not None:
         print("compiling the train step", flush=True)  # minutes for a large model, before the first step
     t0 = time.perf_counter()
@@ -180,11 +181,13 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     bar.update(start)
     with _metrics_file(out_dir, start) as f:
         for step in range(start, cfg.train.steps):
+            peers.progress(step, "step")
             batch = run.device_batch(step)
             t = time.perf_counter()
             state, m = step_fn(state, batch)
             m = jax.device_get(m)
             dt = time.perf_counter() - t
+            peers.progress(step + 1, "step")
             skipped = bool(m.get("skipped", 0.0))  # fp16: an inf/nan grad skipped the update
             applied = step - _skipped_before(state, skipped)  # the optimizer steps before this one
             row = {
@@ -201,6 +204,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
                 raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
             if run.evaluates_at(step + 1):
+                peers.progress(step + 1, "evaluate")
                 row["val_loss"] = val_loss = run.evaluate(state.params)["loss"]
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -213,6 +217,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             stop = preemption.requested()
             due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
             if ckpt is not None and (due or stop):
+                peers.progress(step + 1, "save")
                 ckpt.save(state, cfg)
             if stop:
                 preemption.stopped_at = step + 1
