@@ -248,3 +248,17 @@ def test_processes_alive_but_stuck_stop_at_the_step_timeout(tmp_path):
         assert _one_line(err) == (f"no process completed a step in {step_s} s (distributed.step_timeout_s); the "
                                   "slowest, process 1 of 2, has completed 2 and is in step; exiting")
         assert seconds < step_s + 10
+
+
+@pytest.mark.slow
+def test_a_killed_process_0_ends_the_other_with_one_line(tmp_path):
+    """JAX ends the others at once from C++ (SIGABRT); before, with a 16-line abort stack."""
+    port = _free_port()
+    procs = [_train(port, 2, me, tmp_path, "--set", "train.steps=100000") for me in (0, 1)]
+    _wait_for_steps(tmp_path, 2, procs)
+    procs[0].send_signal(signal.SIGKILL)
+    _, (code, err, seconds) = _ends(procs, 20)
+    assert code == -signal.SIGABRT
+    assert _one_line(err) == (f"lost the coordinator (process 0 at 127.0.0.1:{port}): it died, and JAX ends the "
+                              "other processes with it")
+    assert seconds < 5
