@@ -81,6 +81,7 @@ def _train_command(args, preemption) -> int:
                 "choose a new --out, or continue that run with --resume"
             )
     _start(cfg, args)
+    preemption.reinstall()  # a multi-process join installs JAX's own SIGTERM handler
     from jzero.train import report
     from jzero.train.loop import train
 

@@ -3,6 +3,7 @@ devices, and every way a run can go wrong ends within its bound, each process wi
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -262,3 +263,25 @@ def test_a_killed_process_0_ends_the_other_with_one_line(tmp_path):
     assert _one_line(err) == (f"lost the coordinator (process 0 at 127.0.0.1:{port}): it died, and JAX ends the "
                               "other processes with it")
     assert seconds < 5
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_before_the_first_step_stops_both_at_once(tmp_path):
+    """Process 1 is told SIGTERM while the run compiles (24 unscanned blocks: seconds of compile): it
+    exits 143 at once, and process 0 stops with its reason (the exit mark it leaves), not as a lost process."""
+    port = _free_port()
+    slow = ["--set", "model.n_layers=24", "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set",
+            "model.seq_len=16", "--set", "data.kind=synthetic", "--set", "train.global_batch=16", *FAST]
+    procs = [_jzero("train", "--out", str(tmp_path), *slow, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                    "2", "--process-id", str(me)) for me in (0, 1)]
+    while (line := procs[0].stdout.readline()) != "compiling the train step\n":  # after gloo's lines
+        assert line, "process 0 ended before compiling"
+    procs[1].send_signal(signal.SIGTERM)
+    (code0, err0, seconds0), (code1, err1, _) = _ends(procs, 30)
+    lines1 = _lines(err1)
+    assert code1 == 143 and len(lines1) == 1, err1[-3000:]
+    assert re.fullmatch(r"jzero: stopped: SIGTERM during (start-up|compile): no step taken, so none to save; "
+                        r"exiting", lines1[0])
+    why = lines1[0].removeprefix("jzero: stopped: ").removesuffix("; exiting")
+    assert code0 == 2 and _one_line(err0) == f"process 1 of 2 was stopped ({why}); exiting"
+    assert seconds0 < 10

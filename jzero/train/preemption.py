@@ -66,6 +66,12 @@ class Preemption:
             self._write.close()  # the watcher's recv returns: it ends
         # else the watcher stays, so the exit (JAX's shutdown, a save in flight) is bounded too
 
+    def reinstall(self) -> None:
+        """Takes SIGTERM back after `jax.distributed.initialize`, whose preemption notifier installs its
+        own handler (which only logs "SIGTERM caught")."""
+        if self._previous is not None and self.signalled_at is None:
+            signal.signal(signal.SIGTERM, self._handle)
+
     def _handle(self, signum, frame) -> None:
         self._mark()
         signal.signal(signal.SIGTERM, self._previous)
@@ -86,7 +92,8 @@ class Preemption:
                 data = self._read.recv(64)
             except OSError:
                 return
-            if not data:
+            if not data:  # __exit__ closed the other end: no SIGTERM came
+                self._read.close()
                 return
             if signal.SIGTERM in data:
                 break
