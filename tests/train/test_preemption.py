@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,25 @@ def test_sigterm_during_start_up_ends_the_run_at_once(tmp_path):
         r"jzero: stopped: SIGTERM during (start-up|restore|compile): no step taken, so none to save; exiting", lines[0]
     ), lines
     assert seconds < 3
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_finish_after_sigterm_is_abandoned_after_the_grace(tmp_path):
+    """The step in flight would save and exit 143; one that hangs is given GRACE_S, then the run ends."""
+    out = tmp_path / "out"
+    sets = ["model.impl=helpers.stuck_model:SlowStepModel", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
+            "data.kind=synthetic", "train.steps=100", f"checkpoint.dir={tmp_path / 'ck'}"]
+    tests = Path(__file__).parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", "train", "--out", str(out), "--quiet",
+                             *[a for kv in sets for a in ("--set", kv)]], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "no steps"
+        time.sleep(0.1)
+    time.sleep(1)  # inside the third step, which does not return
+    lines, seconds = _ends_after_sigterm(proc)
+    assert lines == [f"jzero: stopped: SIGTERM: the step in flight and its save did not finish within {GRACE_S:.0f} s; "
+                     "the newest complete checkpoint is kept; exiting"]
+    assert GRACE_S <= seconds < GRACE_S + 2
