@@ -57,15 +57,16 @@ def check_floor(cfg, devices: list) -> None:
         param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
         o = cfg.optimizer
         moments = {OptimizerName.SGD: 1 if o.b1 > 0 else 0}.get(o.name, 2)
-        per_param = (
-            param_b
-            + jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
-            + (4 if param_b != 4 else 0)  # fp32 main params
-            + moments * (2 if o.moments_dtype == MomentsDType.BFLOAT16 else 4)
-        )
-        state = n_params * per_param / n
-        what = f"{n_params:,} params x {per_param} bytes over {n} devices"
-        _compare(cfg, devices[:n], {"state": state, "activations": 0, "host": 0}, what)
+        device_b = param_b + jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
+        optimizer_b = (4 if param_b != 4 else 0) + moments * (2 if o.moments_dtype == MomentsDType.BFLOAT16 else 4)
+        offload = cfg.zero.offload_fraction  # its share of the optimizer state is in host memory
+        need = {
+            "state": n_params * (device_b + optimizer_b * (1 - offload)) / n,
+            "activations": 0,
+            "host": n_params * optimizer_b * offload / n,
+        }
+        what = f"{n_params:,} params x {device_b + optimizer_b} bytes over {n} devices"
+        _compare(cfg, devices[:n], need, what)
 
     _everywhere(check)
 
