@@ -54,6 +54,13 @@ def _multiprocess(args: argparse.Namespace) -> dict:
 
 
 def _cmd_train(args) -> int:
+    from jzero.train.preemption import Preemption
+
+    with Preemption() as preemption:  # from the start: a SIGTERM in any phase ends the run (docs/operations.md)
+        return _train_command(args, preemption)
+
+
+def _train_command(args, preemption) -> int:
     cfg = load_config(args.config, args.set)
     if args.resume_fallback and args.resume is None:
         raise ConfigError("--resume-fallback only applies with --resume")
@@ -66,11 +73,22 @@ def _cmd_train(args) -> int:
         raise ConfigError(f"{name} is {what}" if existing == out else f"{name}: {existing} is {what}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name}: directory {existing} is not writable")
+    if args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues another run's files
+        written = [f for f in ("metrics.jsonl", "summary.json") if (out / f).exists()]
+        if written:
+            raise ConfigError(
+                f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
+                "choose a new --out, or continue that run with --resume"
+            )
     _start(cfg, args)
+    preemption.reinstall()  # a multi-process join installs JAX's own SIGTERM handler
     from jzero.train import report
     from jzero.train.loop import train
 
-    summary = train(cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback)
+    summary = train(
+        cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback,
+        preemption=preemption,
+    )
     if summary is None or not summary:  # nothing left to train, or not process 0
         return 0
     print(report.format_summary(summary))

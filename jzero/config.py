@@ -195,6 +195,9 @@ class TrainConfig:
     # validation data (`data.val_path` or `data.val_fraction`); 0 = never. Synthetic data has none.
     eval_every: int = 50
     eval_batches: int = 4
+    # Before compiling: refuse a run whose state and activations (a floor) cannot fit the devices' memory
+    # (jzero.train.preflight); false runs it anyway.
+    check_memory: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +233,10 @@ class DistributedConfig:
 
     timeout_s: int = 60  # to join the run (all processes connected) and to leave it (all finished)
     heartbeat_timeout_s: int = 30  # a process silent this long is lost: the others exit
+    # Progress, not only liveness: once the steps have begun, no process completing a step (its save and
+    # evaluation included) for this long stops every process, naming the slowest and its phase; 0 = off.
+    # Set it above the longest step, save or evaluation (and the spread of the processes' compile times).
+    step_timeout_s: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,6 +388,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        if not isinstance(raw, dict):  # before --set, which would index into it
+            raise ConfigError(
+                f"config file {path} must be a mapping of sections (model:, train:, ...), "
+                f"not a {type(raw).__name__}: {str(raw)[:80]}"
+            )
     for assignment in overrides:
         _apply_override(raw, assignment)
     cfg = _build(Config, raw, "")
@@ -575,8 +587,10 @@ def validate(cfg: Config) -> None:
     _check_precision(cfg.precision)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
-    for f in dataclasses.fields(cfg.distributed):
-        _positive(f"distributed.{f.name}", getattr(cfg.distributed, f.name))
+    for key in ("timeout_s", "heartbeat_timeout_s"):
+        _positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if cfg.distributed.step_timeout_s < 0:
+        raise ConfigError(f"distributed.step_timeout_s={cfg.distributed.step_timeout_s} must be >= 0 (0 = off)")
     if m.impl == GPT_IMPL:
         _check_gpt(m, mesh)
     # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.

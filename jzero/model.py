@@ -23,6 +23,11 @@ each is optional, and the function of the same name here gives its default when 
                                                      (None: no buffer is counted as attention)
     remat -> bool                                    each unit recomputes its forward in backward
                                                      (False)
+    param_count(model_cfg) -> int  (static)          the parameter count from the config alone, cheaply
+                                                     (None: unknown; `jzero train`'s first pre-flight)
+    activation_bytes(rows, tp) -> int                fewest bytes of activations one device holds for
+                                                     its backward (0: none counted; `jzero train`'s
+                                                     memory pre-flight, jzero.train.preflight)
 """
 
 from __future__ import annotations
@@ -114,6 +119,20 @@ def attention_elements(model: Model, rows: int, tp: int) -> int | None:
     sequences on one tp rank (jzero's GPT: rows x heads/tp x T x T); None for a model without it."""
     method = getattr(model, "attention_elements", None)
     return None if method is None else method(rows, tp)
+
+
+def activation_bytes(model: Model, rows: int, tp: int) -> int:
+    """`model.activation_bytes(rows, tp)`: a lower bound on the activation bytes one tp rank keeps for the
+    backward of `rows` sequences (one micro-batch); 0 for a model without it."""
+    method = getattr(model, "activation_bytes", None)
+    return 0 if method is None else int(method(rows, tp))
+
+
+def param_count(cfg: Config) -> int | None:
+    """The parameter count of the model `cfg.model.impl` names, from its class's static
+    `param_count(cfg.model)` without building the model; None for a class without it."""
+    method = getattr(model_class(cfg.model.impl), "param_count", None)
+    return None if method is None else int(method(cfg.model))
 
 
 def remat(model: Model) -> bool:

@@ -7,6 +7,7 @@ one-line exit used wherever a hang can only be escaped from a thread (`die`).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import threading
@@ -15,6 +16,24 @@ import time
 from jzero.config import DistributedConfig
 
 KEY = "jzero"  # jzero's keys in JAX's key-value store (jzero.runtime's too)
+_monitor: Monitor | None = None  # this process's, once started
+_progress = {"steps": 0, "phase": "start-up"}  # this process's, as the training loop reports it
+LOOP_PHASES = ("step", "evaluate", "save")  # once a process is in one, the step clock runs
+
+
+def progress(steps: int, phase: str) -> None:
+    """Reports this process's progress: `steps` completed, now in `phase` ("compile", "step", "evaluate",
+    "save", ...). The beat thread publishes it; process 0 stops the run if none completes a step in
+    `step_timeout_s`."""
+    _progress.update(steps=steps, phase=phase)
+
+
+def leaving(what: str) -> None:
+    """Tells the other processes (if any) that this one is about to exit on its own: each stops with
+    "process I of N <what>" instead of waiting `heartbeat_timeout_s` to find it lost."""
+    if _monitor is not None:
+        _monitor.gave_up.set()
+        _monitor._mark(f"error:process {_monitor.me} of {_monitor.n} {what}")
 
 
 class Monitor:
@@ -32,7 +51,10 @@ class Monitor:
     - no answer from the coordinator for `heartbeat_timeout_s`: it is lost;
     - a watched process silent that long, and not leaving: it is lost;
     - this process is leaving and a watched one has still not finished, later than the above
-      (so the process still running, which knows more, speaks first).
+      (so the process still running, which knows more, speaks first);
+    - process 0, with `step_timeout_s`: no process has completed a step for that long since the
+      steps began (each publishes its `progress`): every process is alive but the run is stuck
+      (two in different collectives, one in a host call that never returns); it names the slowest.
 
     Heartbeats come from a thread, so a process blocked in a long compile or a collective is
     alive; a gap in the judge's own ticks (this process was paused) restarts every clock.
@@ -40,7 +62,9 @@ class Monitor:
 
     def __init__(self, client, me: int, n: int, coordinator: str, t: DistributedConfig):
         self.client, self.me, self.n, self.coordinator = client, me, n, coordinator
-        self.lost_after, self.leave_within = t.heartbeat_timeout_s, t.timeout_s
+        self.lost_after, self.leave_within, self.step_within = t.heartbeat_timeout_s, t.timeout_s, t.step_timeout_s
+        self.progress: dict[int, dict] = {}  # k -> its published progress (process 0, with step_timeout_s)
+        self.step_clock: tuple[int, float] | None = None  # (the most steps any process completed, since when)
         self.interval = min(max(self.lost_after / 6, 0.2), 5.0)
         now = time.monotonic()
         self.beats = {k: (None, now) for k in (range(1, n) if me == 0 else (0,))}  # k -> (counter, when it changed)
@@ -52,6 +76,8 @@ class Monitor:
         self.lock = threading.Lock()
 
     def start(self) -> None:
+        global _monitor
+        _monitor = self
         for fn in (self._beat, self._judge):
             threading.Thread(target=fn, name=f"jzero{fn.__name__}", daemon=True).start()
         atexit.register(self._leave)  # before JAX's own exit handler (shutdown barrier), registered earlier
@@ -63,8 +89,13 @@ class Monitor:
             count += 1
             try:
                 self.client.key_value_set(own, str(count), allow_overwrite=True)
+                if self.step_within:
+                    self.client.key_value_set(f"{KEY}/progress/{self.me}", json.dumps(_progress), allow_overwrite=True)
+                progress = {}
                 if self.me == 0:
                     beats = dict(self.client.key_value_dir_get(f"{KEY}/beat/"))
+                    if self.step_within:
+                        progress = dict(self.client.key_value_dir_get(f"{KEY}/progress/"))
                 else:
                     beats = {f"{KEY}/beat/0": self.client.key_value_try_get(f"{KEY}/beat/0")}
                 exits = self.client.key_value_dir_get(f"{KEY}/exit/")
@@ -81,6 +112,8 @@ class Monitor:
                     if self.exits.get(k, ("",))[0] != mark:
                         self.exits[k] = (mark, now)
                 self.answered = now
+                for key, value in progress.items():
+                    self.progress[int(key.rsplit("/", 1)[1])] = json.loads(value)
             time.sleep(self.interval)
 
     def _judge(self) -> None:
@@ -110,6 +143,8 @@ class Monitor:
             if self.left is not None:
                 return None  # JAX's shutdown has closed the connection
             return f"lost the coordinator (process 0 at {self.coordinator}): no answer for {self.lost_after} s", False
+        if (stuck := self._stuck(now)) is not None:
+            return stuck, False
         for k, (_, changed) in self.beats.items():
             if k in self.exits:
                 continue
@@ -119,6 +154,26 @@ class Monitor:
                 # Late: a process that is still running gives up first, with the better reason.
                 return f"process {k} of {self.n} did not finish within {self.leave_within} s of this one", False
         return None
+
+    def _stuck(self, now: float) -> str | None:
+        """Process 0's step clock: why the run is stuck, or None (module docstring of `Monitor`)."""
+        if not self.step_within or self.left is not None or not self.progress:
+            return None
+        top = max(p["steps"] for p in self.progress.values())
+        if self.step_clock is None:
+            if any(p["phase"] in LOOP_PHASES for p in self.progress.values()):
+                self.step_clock = (top, now)
+            return None
+        if top != self.step_clock[0]:
+            self.step_clock = (top, now)
+            return None
+        if now - self.step_clock[1] <= self.step_within:
+            return None
+        k, p = min(self.progress.items(), key=lambda kp: (kp[1]["steps"], kp[0] == 0))  # a tie: not the coordinator
+        return (
+            f"no process completed a step in {self.step_within} s (distributed.step_timeout_s); the slowest, "
+            f"process {k} of {self.n}, has completed {p['steps']} and is in {p['phase']}"
+        )
 
     def _give_up(self, reason: str, adopted: bool) -> None:
         self.gave_up.set()

@@ -22,9 +22,10 @@ are set later than jzero's (`distributed.timeout_s`, `distributed.heartbeat_time
 - leaving: a process that has finished waits at most `timeout_s` for the others (JAX's
   shutdown barrier); one that left is not reported lost.
 
-What cannot be bounded here: when process 0 itself dies, the coordinator goes with it and JAX
-aborts every other process at once with its own message (jaxlib 0.10's hook to call Python
-there instead fails with `std::bad_cast`); `jzero launch` still names process 0 as the one that died.
+When process 0 itself dies, the coordinator goes with it and JAX aborts every other process at
+once from C++ (jaxlib 0.10's hook to call Python there instead fails with `std::bad_cast`); their
+stderr goes through `jzero.fatal`'s filter, which turns that abort into one line naming process 0;
+`jzero launch` names process 0 as the one that died.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from jzero.config import DistributedConfig
 from jzero.errors import ConfigError, RunError, one_line
+from jzero.fatal import one_line_abort
 from jzero.peers import KEY, Monitor, die
 
 _SLACK_S = 5  # process 0 holds the coordinator: it gives up this much later, so the others report first
@@ -110,6 +112,10 @@ def _join(coordinator: str | None, n: int | None, me: int | None, t: Distributed
         watchdog.message = f"could not join the run at {coordinator} within {wait} s as {who}: {why}"
         if os.environ.get("JAX_PLATFORMS") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+        if me != 0:  # JAX's abort when process 0 dies: one line, not a C++ stack (jzero.fatal)
+            one_line_abort(
+                f"lost the coordinator (process 0 at {coordinator}): it died, and JAX ends the other processes with it"
+            )
         try:
             jax.distributed.initialize(
                 coordinator, num_processes=n, process_id=me,

@@ -84,3 +84,24 @@ def test_out_is_not_writable(tmp_path, capsys, monkeypatch):
     err = error_line(["train", "--out", str(out)], capsys)
     assert err == f"jzero: error: --out {out}: directory {locked} is not writable"
     assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("42\n", "int"), ("just words\n", "str")])
+@pytest.mark.parametrize("sets", [[], ["--set", "train.steps=1"]])
+def test_config_file_that_is_not_a_mapping(text, kind, sets, tmp_path, capsys):
+    """Before, with --set this was an AttributeError traceback (--set indexed into the list)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    err = error_line(["train", str(path), "--out", str(tmp_path / "run"), *sets], capsys)
+    assert err.startswith(f"jzero: error: config file {path} must be a mapping of sections") and kind in err
+
+
+@pytest.mark.parametrize("files", [["metrics.jsonl"], ["summary.json"], ["metrics.jsonl", "summary.json"]])
+def test_a_fresh_run_into_another_runs_out_is_refused(files, tmp_path, capsys):
+    """--out is owned like checkpoint.dir: before, a fresh run replaced the earlier run's files."""
+    for f in files:
+        (tmp_path / f).write_text("theirs\n")
+    err = error_line(["train", "--out", str(tmp_path)], capsys)
+    assert err.startswith(f"jzero: error: --out {tmp_path} holds another run's {' and '.join(files)}")
+    assert "--resume" in err
+    assert all((tmp_path / f).read_text() == "theirs\n" for f in files)

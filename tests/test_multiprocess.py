@@ -3,6 +3,7 @@ devices, and every way a run can go wrong ends within its bound, each process wi
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,3 +230,58 @@ def test_a_checkpoint_moves_from_two_processes_to_one_and_back(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == [f"step_{s:08d}" for s in (2, 4, 6)]
+
+
+@pytest.mark.slow
+def test_processes_alive_but_stuck_stop_at_the_step_timeout(tmp_path):
+    """Progress, not only liveness: process 1 hangs in a host call inside its third step and process 0
+    waits in that step's collective; both keep heartbeating. Before, nothing bounded this."""
+    step_s, port = 5, _free_port()
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])]))
+    procs = [subprocess.Popen([sys.executable, "-m", "jzero.cli", "train", "--out", str(tmp_path), *TINY, *FAST,
+                               "--set", "model.impl=helpers.stuck_model:StuckModel", "--set", "train.steps=1000",
+                               "--set", f"distributed.step_timeout_s={step_s}", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(me)],
+                              env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me in (0, 1)]
+    _wait_for_steps(tmp_path, 2, procs)
+    for code, err, seconds in _ends(procs, step_s + 30):
+        assert code == 2, err[-3000:]
+        assert _one_line(err) == (f"no process completed a step in {step_s} s (distributed.step_timeout_s); the "
+                                  "slowest, process 1 of 2, has completed 2 and is in step; exiting")
+        assert seconds < step_s + 10
+
+
+@pytest.mark.slow
+def test_a_killed_process_0_ends_the_other_with_one_line(tmp_path):
+    """JAX ends the others at once from C++ (SIGABRT); before, with a 16-line abort stack."""
+    port = _free_port()
+    procs = [_train(port, 2, me, tmp_path, "--set", "train.steps=100000") for me in (0, 1)]
+    _wait_for_steps(tmp_path, 2, procs)
+    procs[0].send_signal(signal.SIGKILL)
+    _, (code, err, seconds) = _ends(procs, 20)
+    assert code == -signal.SIGABRT
+    assert _one_line(err) == (f"lost the coordinator (process 0 at 127.0.0.1:{port}): it died, and JAX ends the "
+                              "other processes with it")
+    assert seconds < 5
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_before_the_first_step_stops_both_at_once(tmp_path):
+    """Process 1 is told SIGTERM while the run compiles (24 unscanned blocks: seconds of compile): it
+    exits 143 at once, and process 0 stops with its reason (the exit mark it leaves), not as a lost process."""
+    port = _free_port()
+    slow = ["--set", "model.n_layers=24", "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set",
+            "model.seq_len=16", "--set", "data.kind=synthetic", "--set", "train.global_batch=16", *FAST]
+    procs = [_jzero("train", "--out", str(tmp_path), *slow, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                    "2", "--process-id", str(me)) for me in (0, 1)]
+    while (line := procs[0].stdout.readline()) != "compiling the train step\n":  # after gloo's lines
+        assert line, "process 0 ended before compiling"
+    procs[1].send_signal(signal.SIGTERM)
+    (code0, err0, seconds0), (code1, err1, _) = _ends(procs, 30)
+    lines1 = _lines(err1)
+    assert code1 == 143 and len(lines1) == 1, err1[-3000:]
+    assert re.fullmatch(r"jzero: stopped: SIGTERM during (start-up|compile): no step taken, so none to save; "
+                        r"exiting", lines1[0])
+    why = lines1[0].removeprefix("jzero: stopped: ").removesuffix("; exiting")
+    assert code0 == 2 and _one_line(err0) == f"process 1 of 2 was stopped ({why}); exiting"
+    assert seconds0 < 10

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from jzero import multihost
+from jzero import multihost, peers
 from jzero.config import Config, ConfigError
 from jzero.errors import Preempted, RunError
 from jzero.optim import lr_schedule
 from jzero.run import Run, build_run
 from jzero.train.data import data_identity, make_datasets
+from jzero.train.preemption import Preemption
+from jzero.train.preflight import check_fits, check_floor, out_of_memory
 from jzero.zero.common.state import TrainState
 
 
@@ -30,8 +31,11 @@ def setup(cfg: Config, devices: list | None = None, with_data: bool = True) -> R
     with_data=False skips the dataset (compile-only tools never read it).
     """
     run = build_run(cfg, devices)
-    if not with_data:
-        return run
+    return with_datasets(run) if with_data else run
+
+
+def with_datasets(run: Run) -> Run:
+    """`run` with its training and validation data attached (`_datasets`)."""
     dataset, val_dataset = _datasets(run.cfg)
     return dataclasses.replace(run, dataset=dataset, val_dataset=val_dataset)
 
@@ -65,7 +69,12 @@ def _data_fact(dataset) -> str:
 
 
 def train(
-    cfg: Config, out_dir: Path, progress: bool = True, resume: str | None = None, resume_fallback: bool = False
+    cfg: Config,
+    out_dir: Path,
+    progress: bool = True,
+    resume: str | None = None,
+    resume_fallback: bool = False,
+    preemption: Preemption | None = None,
 ) -> dict | None:
     """Trains up to `cfg.train.steps`; writes `out_dir/metrics.jsonl` and `summary.json`.
 
@@ -76,6 +85,7 @@ def train(
         and `metrics.jsonl` is continued, not rewritten. A `checkpoint.dir` with no step yet
         starts from step 0 (as Megatron's `--load`), so a job script can always pass --resume.
       resume_fallback: if the newest checkpoint is damaged, move it aside and use the one before it.
+      preemption: the SIGTERM watch the caller entered (the CLI, from its start); None = one for this call.
     Returns:
       the summary (see `report.summarize`), None if the checkpoint already reached the end,
       {} on processes other than 0 (only process 0 writes files and reports).
@@ -83,12 +93,22 @@ def train(
       CheckpointError: checkpoint.dir is not this run's to write (see `jzero.train.ckpt_dir`),
         or the checkpoint to resume is damaged or does not fit.
       RunError: a save failed, or the loss is not finite. Preempted: SIGTERM stopped the run
-        after a step, whose checkpoint was saved (with checkpoint.dir set).
+        after a step, whose checkpoint was saved (with checkpoint.dir set). SIGTERM before the
+        first step, or a step that does not end soon enough, ends the process (`jzero.train.preemption`).
     """
+    watch = contextlib.nullcontext(preemption) if preemption is not None else Preemption()
+    with watch as preemption:
+        return _train(cfg, out_dir, progress, resume, resume_fallback, preemption)
+
+
+def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preemption) -> dict | None:
     from jzero.train import report
     from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
 
-    run = setup(cfg)
+    check_floor(cfg, jax.devices())  # from the config alone: building a model of 20,000 blocks takes minutes
+    run = build_run(cfg)
+    check_fits(run)  # before any state is allocated or any step compiled
+    run = with_datasets(run)
     cfg = run.cfg  # mesh.dp resolved
     ck = cfg.checkpoint
     main_process = jax.process_index() == 0
@@ -106,6 +126,7 @@ def train(
         if resume_dir is None:
             state, start = run.init_state(), 0
         else:
+            preemption.phase = "restore"
             reader = ckpt if continuing else Checkpointer(resume_dir, run, writer=False)
             state, start = reader.restore_latest(resume_fallback, say=_tell)
             saved_data = reader.meta(start)["data"]  # every process: orbax reads in step with the others
@@ -118,11 +139,13 @@ def train(
             return None
         if main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
-        with _Preemption() as preemption:
-            (metrics, state), compile_s = _loop(
-                run, state, start, out_dir if main_process else None, ckpt, progress, preemption
-            )
+        metrics_dir = out_dir if main_process else None
+        (metrics, state), compile_s = _loop(run, state, start, metrics_dir, ckpt, progress, preemption)
         failed = False
+    except Exception as e:  # the pre-flight's floor fit, yet the device ran out: one line, the same advice
+        if (oom := out_of_memory(e, preemption.phase)) is not None:
+            raise oom from None
+        raise
     finally:
         if ckpt is not None:
             ckpt.close(check=not failed)  # waits for the save in flight; reports its failure
@@ -142,9 +165,14 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     ends the loop after the step it arrives in, with that step saved.
     """
     cfg = run.cfg
+    preemption.phase = "compile"
+    peers.progress(start, "compile")
+    if progress and out_dir is not None:
+        print("compiling the train step", flush=True)  # minutes for a large model, before the first step
     t0 = time.perf_counter()
     step_fn = run.zero.step.lower(state, run.device_batch(start)).compile()  # compile outside the timings
     compile_s = time.perf_counter() - t0
+    preemption.phase = "step"
     schedule = lr_schedule(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     metrics = []
@@ -153,11 +181,13 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     bar.update(start)
     with _metrics_file(out_dir, start) as f:
         for step in range(start, cfg.train.steps):
+            peers.progress(step, "step")
             batch = run.device_batch(step)
             t = time.perf_counter()
             state, m = step_fn(state, batch)
             m = jax.device_get(m)
             dt = time.perf_counter() - t
+            peers.progress(step + 1, "step")
             skipped = bool(m.get("skipped", 0.0))  # fp16: an inf/nan grad skipped the update
             applied = step - _skipped_before(state, skipped)  # the optimizer steps before this one
             row = {
@@ -174,6 +204,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
                 raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
             if run.evaluates_at(step + 1):
+                peers.progress(step + 1, "evaluate")
                 row["val_loss"] = val_loss = run.evaluate(state.params)["loss"]
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -186,6 +217,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             stop = preemption.requested()
             due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
             if ckpt is not None and (due or stop):
+                peers.progress(step + 1, "save")
                 ckpt.save(state, cfg)
             if stop:
                 preemption.stopped_at = step + 1
@@ -235,33 +267,6 @@ def _warn_if_other_data(saved: dict, cfg: Config) -> None:
 
 def _tell(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-class _Preemption:
-    """SIGTERM, a scheduler's pre-emption notice, asks the loop to stop after the current step.
-
-    The handler is installed only from the main thread (Python's rule); a second SIGTERM gets
-    the previous handler back (by default: terminate at once; orbax's atomic commit leaves the
-    last complete checkpoint intact). With many processes, any one's SIGTERM stops all of them
-    after the same step.
-    """
-
-    def __enter__(self) -> _Preemption:
-        self._signalled, self.stopped_at, self._previous = False, None, None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self._signalled = True
-        signal.signal(signal.SIGTERM, self._previous)
-
-    def requested(self) -> bool:
-        return multihost.any_process(self._signalled)
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _progress(total: int, enabled: bool):

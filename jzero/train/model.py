@@ -82,6 +82,25 @@ def _stack(blocks: list[Block]) -> Block:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+def param_count(cfg: ModelConfig) -> int:
+    """The GPT's parameter count from its config alone, in milliseconds at any depth (the model's own
+    build traces every block): the shapes of one dense and one MoE block, times how many there are."""
+
+    def numel(make) -> int:
+        state = nnx.state(nnx.eval_shape(make), nnx.Param)
+        return sum(x.size for x in jax.tree.leaves(state))
+
+    def block(is_moe: bool) -> int:
+        return numel(lambda: Block(cfg, nnx.Rngs(0), jnp.float32, is_moe))
+
+    n_moe = sum(is_moe_block(cfg, i) for i in range(cfg.n_layers))
+    total = n_moe * block(True) if n_moe else 0
+    total += (cfg.n_layers - n_moe) * block(False) if cfg.n_layers > n_moe else 0
+    total += cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    total += cfg.seq_len * cfg.d_model if cfg.pos == PosKind.LEARNED else 0
+    return total + numel(lambda: norm(cfg, jnp.float32))
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.tok_emb = normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02, dtype)
@@ -139,6 +158,8 @@ class GPTModel:
     `model.moe.aux_loss_kind: global` sums its expert counts over them. () = each call's
     tokens are the whole batch.
     """
+
+    param_count = staticmethod(param_count)  # from the config alone (`jzero.model.param_count`)
 
     def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes: tuple[str, ...] = ()):
         self.cfg, self.dtype, self.seed, self.dp_axes = cfg, jnp.dtype(param_dtype), seed, tuple(dp_axes)
@@ -224,6 +245,13 @@ class GPTModel:
         rows = m.top_k * tokens if cap is None else m.num_experts * cap  # dropless: the routed copies
         slot_bytes = rows * self.cfg.d_model * self.dtype.itemsize
         return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.cfg.remat else 4), dropless=cap is None)
+
+    def activation_bytes(self, rows: int, tp: int) -> int:
+        """A floor, never an estimate, so that no config that fits is refused: the residual stream's
+        [rows, T, D] input of each block (kept even with remat; not split over tp) and the fp32 logits
+        [rows, T, V] the loss reads in backward. XLA's temporaries, attention and the MLP come on top."""
+        c = self.cfg
+        return rows * c.seq_len * (c.n_layers * c.d_model * self.dtype.itemsize + c.vocab_size * 4)
 
     def attention_elements(self, rows: int, tp: int) -> int:
         """Elements of one [rows, H/tp, T, T] attention-score buffer (scores, probabilities, their grads)."""

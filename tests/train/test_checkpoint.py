@@ -339,3 +339,18 @@ def test_ckpt_info(base, capsys):
     assert "steps 3, 6" in out and "strategy=optim_grads path=flat" in out and "dp=8" in out
     assert "params/blocks/0/mlp/fc1/kernel" in out and "(32, 64)" in out
     assert main(["ckpt", "info", "/no/such/dir"]) == 2
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_a_quantized_param_gather_and_the_plain_path(base, tmp_path):
+    """fp32 params: a run with zero.param_gather_dtype=int8 keeps fp32 main params, a plain run none.
+    Before, neither could resume the other's checkpoint ("main_params/... checkpoint missing")."""
+    root, rows = base
+    ck = copy_without_last(root / "ck", tmp_path / "ck")
+    int8 = train(tmp_path / "a", *sets(zero__path="flat", zero__param_gather_dtype="int8"), "--resume", str(ck))
+    # Step 4's forward runs on the restored params, which are the plain run's exactly (main params from them).
+    np.testing.assert_allclose(int8[0]["loss"], rows[3]["loss"], rtol=1e-6)
+    assert any(n.startswith("main_params/") for n in read_meta(ck, STEPS)["arrays"])
+    # Back to the spec path, which keeps no main params: its params are the int8 run's exact main params.
+    spec = train(tmp_path / "b", *sets(train__steps=STEPS + 2, zero__path="spec"), "--resume", str(ck))
+    assert [r["step"] for r in spec] == [7, 8] and all(np.isfinite(r["loss"]) for r in spec)

@@ -17,7 +17,8 @@ from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.train.data import SyntheticData, TokenData, data_identity, held_out_split, make_datasets, read_text
 from jzero.train.indexed import read_indexed, write_indexed
-from jzero.train.loop import _loop, _Preemption, setup
+from jzero.train.loop import _loop, setup
+from jzero.train.preemption import Preemption
 
 
 def text_data(path, seq_len, global_batch, seed):
@@ -296,7 +297,7 @@ def test_megatron_data_trains_with_validation_and_resumes_the_same(tmp_path):
     first_half = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, train=dataclasses.replace(
         run.cfg.train, steps=2)))  # fmt: skip
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    with _Preemption() as never:
+    with Preemption() as never:
         _loop(run, init_state(run), 0, tmp_path / "a", None, False, never)
         (_, state), _ = _loop(first_half, init_state(run), 0, tmp_path / "b", None, False, never)
         _loop(run, state, 2, tmp_path / "b", None, False, never)  # continues b's metrics.jsonl after step 2
