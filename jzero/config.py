@@ -94,6 +94,13 @@ class AuxLossKind(str, enum.Enum):
     GLOBAL = "global"  # expert counts over every DP rank's micro-batch (global_aux_loss)
 
 
+class ScoreFunction(str, enum.Enum):
+    """`model.moe.score_function`: the router's scores from its logits (Megatron's `moe_router_score_function`)."""
+
+    SOFTMAX = "softmax"  # probabilities over the experts; a token's top-k weighted by theirs (pre-softmax)
+    SIGMOID = "sigmoid"  # DeepSeek-V3: one sigmoid per expert; the top-k weights renormalized to sum to 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Mixture of experts (Switch/GShard, Megatron's `topk` router): some blocks' MLP becomes
@@ -105,6 +112,9 @@ class MoEConfig:
     of them and drops the rest by `drop_policy` (`dropped_frac` in the metrics); without a
     capacity (null) nothing is dropped and the experts run only the routed tokens. The
     load-balancing loss is Switch's over `aux_loss_kind`'s tokens, the z-loss ST-MoE's.
+    With `expert_bias` (DeepSeek-V3's aux-loss-free balancing, sigmoid scores) each MoE block
+    keeps a per-expert bias, added to the scores only to choose the top-k, and moved once per
+    step by `bias_update_rate` toward the experts that got fewer tokens than the mean.
     Expert weights are stacked on an expert dim split over `mesh.ep`; tokens reach them by
     all-to-all over ep.
     """
@@ -118,6 +128,9 @@ class MoEConfig:
     aux_loss_kind: AuxLossKind = AuxLossKind.MICRO_BATCH
     z_loss_coef: float = 0.0  # ST-MoE router z-loss weight, per MoE block (Megatron: 1e-3 to start); 0 = off
     router_dtype: DType | None = DType.FLOAT32  # router logits, probabilities and output weighting; null = activations'
+    score_function: ScoreFunction = ScoreFunction.SOFTMAX  # sigmoid: DeepSeek-V3's router
+    expert_bias: bool = False  # aux-loss-free balancing (Megatron's moe_router_enable_expert_bias); needs sigmoid
+    bias_update_rate: float = 1e-3  # the bias's step per optimizer step (moe_router_bias_update_rate, DeepSeek-V3's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,9 +544,13 @@ def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
         )
     if moe.capacity_factor is not None:
         _positive("model.moe.capacity_factor", moe.capacity_factor)
-    for key in ("aux_loss_coef", "z_loss_coef"):
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
         if not getattr(moe, key) >= 0:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+    if moe.expert_bias and moe.score_function != ScoreFunction.SIGMOID:
+        raise ConfigError(  # Megatron's rule: the bias shifts scores on a fixed scale, not probabilities
+            f"model.moe.expert_bias=true needs model.moe.score_function=sigmoid, got {moe.score_function.value}"
+        )
 
 
 def _check_gpt(m: ModelConfig, mesh: MeshConfig) -> None:

@@ -28,6 +28,20 @@ each is optional, and the function of the same name here gives its default when 
     activation_bytes(rows, tp) -> int                fewest bytes of activations one device holds for
                                                      its backward (0: none counted; `jzero train`'s
                                                      memory pre-flight, jzero.train.preflight)
+
+A model may also keep non-trainable state beside its params (Megatron's buffers; jzero's GPT: each
+MoE block's expert bias), replicated, no grad, no optimizer state, saved in checkpoints. It then has
+three more methods (`model_state` below turns them into the step's `jzero.zero.common.state.ModelState`):
+
+    init_state() -> PyTree | None                    the initial state (None: the model has none)
+    loss_with_state(params, batch, model_state, tp_axis=None, ep_axis=None) -> (loss, metrics, stats)
+                                                     the loss with the state; stats a pytree of
+                                                     arrays the step sums over DP ranks and
+                                                     micro-batches (jzero's GPT: tokens per expert)
+    update_state(model_state, stats) -> (model_state, metrics)
+                                                     once per step, after the grads' reduction and
+                                                     before the optimizer step, on the summed stats
+A model without `init_state` (or whose `init_state()` is None) trains as before, by `loss_and_metrics`.
 """
 
 from __future__ import annotations
@@ -139,6 +153,24 @@ def remat(model: Model) -> bool:
     """`model.remat`: whether each unit's forward runs again for its backward (ZeRO-3 then gathers
     the unit's params again); False for a model without it."""
     return bool(getattr(model, "remat", False))
+
+
+def model_state(model: Model):
+    """The model's `ModelState` (init, update) when it keeps state (module docstring), else None."""
+    import jax
+
+    from jzero.zero.common.state import ModelState
+
+    init = getattr(model, "init_state", None)
+    if init is None or jax.eval_shape(init) is None:
+        return None
+
+    return ModelState(init, model.update_state)
+
+
+def training_loss(model: Model):
+    """The loss the step differentiates: `loss_with_state` for a model with state, else `loss_and_metrics`."""
+    return model.loss_and_metrics if model_state(model) is None else model.loss_with_state
 
 
 def model_class(path: str) -> type:

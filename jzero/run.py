@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jzero.config import Config, resolve_mesh
 from jzero.mesh import make_mesh
-from jzero.model import Model, make_model
+from jzero.model import Model, make_model, model_state, training_loss
 from jzero.optim import inner_optimizer, loss_scaling, param_groups
 from jzero.zero import Zero, build_zero
 from jzero.zero.common.state import TrainState
@@ -57,16 +57,17 @@ class Run:
 
         return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
 
-    def evaluate(self, params) -> dict[str, float]:
+    def evaluate(self, params, model_state=None) -> dict[str, float]:
         """The validation loss (and the loss's metrics): the mean over `train.eval_batches` global batches
         of the validation data, batch i its "step" i, so every evaluation reads the same rows.
 
-        Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings.
+        Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings,
+        with `model_state` (the train state's; None: the model's initial state, if it keeps one).
         """
         n = self.cfg.train.eval_batches
         total = None
         for i in range(n):
-            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset))
+            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset), model_state)
             total = m if total is None else jax.tree.map(jnp.add, total, m)
         return {k: float(v) / n for k, v in jax.device_get(total).items()}
 
@@ -89,7 +90,7 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
     model = make_model(cfg)
     abstract = model.abstract_params()
     zero = build_zero(
-        model.loss_and_metrics,
+        training_loss(model),
         inner_optimizer(cfg),
         mesh,
         abstract,
@@ -103,5 +104,6 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
         grad_reduce_dtype=jnp.dtype(cfg.precision.grad_reduce_dtype.value),
         has_aux=True,
         loss_scale=loss_scaling(cfg),
+        model_state=model_state(model),
     )
     return Run(cfg, model, zero)

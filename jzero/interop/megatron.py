@@ -544,10 +544,16 @@ def to_train_state(ck: MegatronCheckpoint, zero: Zero, names: PyTree) -> TrainSt
     )
     model_opt = jax.device_put(model_opt, zero.model_opt_shardings)
     opt = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)(model_opt)
+    # The model's non-trainable state (a MoE router's expert bias) starts from its initial value: its
+    # Megatron buffers are not read.
+    model_state = None
+    if zero.model_state is not None:
+        model_state = jax.jit(zero.model_state.init, out_shardings=zero.shardings.model_state)()
     return TrainState(
         zero.params_from_model(jax.device_put(jax.tree.unflatten(treedef, params), zero.model_param_shardings)),
         opt,
         jax.device_put(np.asarray(ck.iteration, np.int32), zero.shardings.step),
+        model_state,
     )
 
 

@@ -5,8 +5,9 @@ folder per saved step, `step_<8 digits>` (the number of steps completed), with t
 (`jzero.train.ckpt_step`):
   state/  arrays, per parameter and unflattened (Megatron's `fully_reshardable`):
           params/..., main_params/... (non-fp32 params only), opt_state/<moment>/...,
-          grad_scaler/... (fp16's loss scale and trackers), step. Flat-path buckets are
-          converted to this form before saving.
+          grad_scaler/... (fp16's loss scale and trackers), model_state/... (the model's
+          non-trainable state, e.g. the MoE expert bias; absent for a model without), step.
+          Flat-path buckets are converted to this form before saving.
   meta/   JSON: jzero's format, the writer's config and run id, the data position, every
           array's shape, dtype and fingerprint (`jzero.train.integrity`).
 orbax writes each step to a temporary directory and commits it atomically, so a run
@@ -118,6 +119,8 @@ class Checkpointer:
             tree["main_params"] = opt.main_params
         if opt.grad_scaler is not None:
             tree["grad_scaler"] = opt.grad_scaler
+        if state.model_state is not None:
+            tree["model_state"] = state.model_state
         return to_nested(tree)
 
     def _abstract_model_state(self) -> dict:
@@ -134,6 +137,8 @@ class Checkpointer:
             tree["main_params"], shard["main_params"] = opt.main_params, model_sh.main_params
         if opt.grad_scaler is not None:
             tree["grad_scaler"], shard["grad_scaler"] = opt.grad_scaler, model_sh.grad_scaler
+        if abstract.model_state is not None:
+            tree["model_state"], shard["model_state"] = abstract.model_state, sh.model_state
         return to_nested(
             jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shard)
         )
@@ -227,6 +232,8 @@ class Checkpointer:
         except CheckpointError as e:
             raise DamagedStep(str(e)) from None
         target, bridge = self._bridged_target(meta)
+        if not any(name.startswith("model_state/") for name in meta["arrays"]):
+            target.pop("model_state", None)  # saved before the model kept state: it starts from its initial one
         check_fits(step, self.directory, meta, target)
         restored, failure = None, None
         try:
@@ -255,7 +262,12 @@ class Checkpointer:
         scaler = from_nested(nested["grad_scaler"], abstract.opt_state.grad_scaler) if "grad_scaler" in nested else None
         opt = self._from_model(ZeroState(main, inner, scaler))
         params = self.run.zero.params_from_model(from_nested(nested["params"], model_params))
-        return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32))
+        model_state = None
+        if "model_state" in nested:
+            model_state = from_nested(nested["model_state"], abstract.model_state)
+        elif abstract.model_state is not None:
+            model_state = jax.jit(self.run.zero.model_state.init, out_shardings=self.run.zero.shardings.model_state)()
+        return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32), model_state)
 
     def restore_latest(self, fallback: bool = False, say: Callable[[str], None] = print) -> tuple[TrainState, int]:
         """The newest complete checkpoint, as (state, step); past damaged steps with `fallback`

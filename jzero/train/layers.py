@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzero.config import MlpKind, ModelConfig, NormKind, PosKind
+from jzero.config import MlpKind, ModelConfig, NormKind, PosKind, ScoreFunction
 from jzero.train import moe
 
 
@@ -193,24 +193,28 @@ class MoE(nnx.Module):
             y = moe.exchange_back(y, ex, k * n, ep_axis)
         return jnp.zeros_like(y).at[order].set(y)  # back to choice-major
 
-    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
-        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac, z_loss]).
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
+        """x [B, T, D] -> (y [B, T, D], [aux_loss, dropped_frac, z_loss], tokens_per_expert [E]).
 
         dp_axes: the axes the step's data-parallel ranks are spread over (the global
-        load-balancing loss sums its expert counts over them)."""
+        load-balancing loss sums its expert counts over them). bias: the expert bias [E] fp32
+        (replicated; None: none), added to the sigmoid scores to choose the top-k only.
+        tokens_per_expert: the copies each expert runs (after dropping), no gradient."""
         o = self.options
         b, t, d = x.shape
         n, e = b * t, o.num_experts
         tokens = x.reshape(n, d)
         dtype = None if o.router_dtype is None else o.router_dtype.value
         logits = moe.router_logits(tokens, self.router["kernel"][...], dtype)
-        probs, expert, weight = moe.choose(logits, o.top_k)
-        aux = moe.load_balancing_loss(probs, expert, o.top_k, o.aux_loss_kind, t, dp_axes)
+        probs, expert, weight = moe.choose(logits, o.top_k, o.score_function, bias)
+        # The loss counts the unbiased top-k (Megatron's `compute_routing_scores_for_aux_loss`).
+        aux_expert = expert if o.score_function == ScoreFunction.SOFTMAX else moe.top_experts(probs, o.top_k)
+        aux = moe.load_balancing_loss(probs, aux_expert, o.top_k, o.aux_loss_kind, t, dp_axes)
         z = moe.z_loss(logits) if o.z_loss_coef > 0 else jnp.zeros((), jnp.float32)
         cap = moe.capacity(n, e, o.top_k, o.capacity_factor)
         if cap is None:
             y = moe.weighted_sum(self._dropless(tokens, expert, tp_axis, ep_axis), weight, n).astype(x.dtype)
-            dropped = jnp.zeros((), jnp.float32)
+            dropped, kept = jnp.zeros((), jnp.float32), None
         else:
             position = moe.queue_position(expert, weight, n, e, o.drop_policy)
             slot = moe.slots(expert, position, e, cap)
@@ -220,7 +224,7 @@ class MoE(nnx.Module):
             y = moe.combine(y, slot, jnp.where(kept, weight, 0), n)
             # A count, not a mean of floats: exactly 0 when nothing is dropped.
             dropped = jnp.sum(~kept).astype(jnp.float32) / kept.size
-        return y.reshape(b, t, d), jnp.stack([aux, dropped, z])
+        return y.reshape(b, t, d), jnp.stack([aux, dropped, z]), moe.tokens_per_expert(expert, kept, e)
 
 
 N_STATS = 3  # a block's [aux_loss, dropped_frac, z_loss]
@@ -239,10 +243,11 @@ class Block(nnx.Module):
         self.ln2 = norm(cfg, dtype)
         self.mlp = (MoE if is_moe else MLP)(cfg, rngs, dtype, out_std)
 
-    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=()):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss]) (zeros for a dense block)."""
+    def __call__(self, x, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss], tokens_per_expert [E]) (zeros and None
+        for a dense block); bias: a MoE block's expert bias [E], or None."""
         x = x + self.attn(self.ln1(x), tp_axis)
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.ln2(x), tp_axis, ep_axis, dp_axes)
-            return x + y, stats
-        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((N_STATS,), jnp.float32)
+            y, stats, counts = self.mlp(self.ln2(x), tp_axis, ep_axis, dp_axes, bias)
+            return x + y, stats, counts
+        return x + self.mlp(self.ln2(x), tp_axis), jnp.zeros((N_STATS,), jnp.float32), None

@@ -205,7 +205,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
             if run.evaluates_at(step + 1):
                 peers.progress(step + 1, "evaluate")
-                row["val_loss"] = val_loss = run.evaluate(state.params)["loss"]
+                row["val_loss"] = val_loss = run.evaluate(state.params, state.model_state)["loss"]
             f.write(json.dumps(row) + "\n")
             f.flush()
             metrics.append(row)

@@ -36,7 +36,7 @@ from jzero.config import ModelConfig, PosKind
 from jzero.mesh import EP_AXIS
 from jzero.model import TokenExchange
 from jzero.train import moe
-from jzero.train.layers import N_STATS, Block, is_moe_block, norm, normal
+from jzero.train.layers import N_STATS, Block, MoE, is_moe_block, norm, normal
 from jzero.zero.common import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
@@ -113,35 +113,45 @@ class GPT(nnx.Module):
         self.head = None if cfg.tie_embeddings else normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
 
-    def _run_blocks(self, x, tp_axis, ep_axis, dp_axes):
-        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks).
+    def _run_blocks(self, x, tp_axis, ep_axis, dp_axes, bias):
+        """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks, tokens per expert
+        [n_moe, E] or None for a dense model); bias: the MoE blocks' expert bias [n_moe, E], or None.
 
         Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
         before it runs and its grads reduce-scattered right after its backward."""
 
-        def layer(graphdef, state, x):  # one block from its params; x [B, T, D]
+        def layer(graphdef, state, x, b):  # one block from its params; x [B, T, D], b its bias [E] or None
             # remat: Megatron's full recompute, keeping only each block's input for backward
-            block = lambda state, x: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes)  # noqa: E731
-            return units.unit(block, state, x, remat=self.remat)
-        if self.scan_layers:
-            graphdef, states = nnx.split(self.blocks)
-            x, stats = jax.lax.scan(lambda x, s: layer(graphdef, s, x), x, states)
-            return x, stats.sum(axis=0)
-        stats = jnp.zeros((N_STATS,), jnp.float32)
-        for block in self.blocks:
-            x, s = layer(*nnx.split(block), x)
-            stats = stats + s
-        return x, stats
+            block = lambda state, x, b: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes, b)  # noqa: E731
+            return units.unit(block, state, x, b, remat=self.remat)
 
-    def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=()):
-        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE blocks)."""
+        if self.scan_layers:  # every block is MoE, or none (model.moe.every=1)
+            graphdef, states = nnx.split(self.blocks)
+
+            def body(x, xs):
+                x, s, c = layer(graphdef, xs[0], x, xs[1])
+                return x, (s, c)
+
+            x, (stats, counts) = jax.lax.scan(body, x, (states, bias))
+            return x, stats.sum(axis=0), counts
+        stats, counts = jnp.zeros((N_STATS,), jnp.float32), []
+        for block in self.blocks:
+            b = bias[len(counts)] if bias is not None and isinstance(block.mlp, MoE) else None
+            x, s, c = layer(*nnx.split(block), x, b)
+            stats = stats + s
+            counts += [] if c is None else [c]
+        return x, stats, jnp.stack(counts) if counts else None
+
+    def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
+        """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE
+        blocks, tokens per expert [n_moe, E] or None); bias: the expert bias [n_moe, E] fp32, or None."""
         x = self.tok_emb[...][tokens]
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
-        x, stats = self._run_blocks(x, tp_axis, ep_axis, dp_axes)
+        x, stats, counts = self._run_blocks(x, tp_axis, ep_axis, dp_axes, bias)
         x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
-        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats
+        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats, counts
 
 
 class GPTModel:
@@ -212,18 +222,52 @@ class GPTModel:
     def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
         """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' means, before their
         coefficients, of the load-balancing loss (named by its kind, `moe.AUX_METRIC`), of
-        `dropped_frac` and, with `z_loss_coef` > 0, of `z_loss`."""
-        logits, stats = nnx.merge(self.graphdef, params)(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        n, o = self.n_moe_blocks, self.cfg.moe
-        if n == 0:
-            return loss, {}
-        loss = loss + o.aux_loss_coef * stats[0] + o.z_loss_coef * stats[2]
-        metrics = {moe.AUX_METRIC[o.aux_loss_kind]: stats[0] / n, "dropped_frac": stats[1] / n}
-        return loss, metrics | ({"z_loss": stats[2] / n} if o.z_loss_coef > 0 else {})
+        `dropped_frac` and, with `z_loss_coef` > 0, of `z_loss`. With `expert_bias`, the loss at the
+        initial (zero) bias; training runs `loss_with_state`."""
+        return self.loss_with_state(params, tokens, self.init_state(), tp_axis, ep_axis)[:2]
 
     def loss(self, params, tokens, tp_axis=None, ep_axis=None):
         return self.loss_and_metrics(params, tokens, tp_axis, ep_axis)[0]
+
+    # The model state (`jzero.model.model_state`): with `model.moe.expert_bias`, each MoE block's bias.
+
+    def init_state(self) -> dict | None:
+        """{"expert_bias": [n_moe, E] fp32 zeros} with `model.moe.expert_bias` (Megatron's buffer, one
+        row per MoE block in block order), else None: no state."""
+        o = self.cfg.moe
+        if not (o.expert_bias and self.n_moe_blocks):
+            return None
+        return {"expert_bias": jnp.zeros((self.n_moe_blocks, o.num_experts), jnp.float32)}
+
+    def loss_with_state(self, params, tokens, model_state, tp_axis=None, ep_axis=None):
+        """(loss, metrics, stats): `loss_and_metrics`'s, routing with the state's expert bias (None: no
+        bias); stats {"tokens_per_expert": [n_moe, E] fp32}, the copies each MoE block's experts ran
+        (after dropping), {} without expert bias."""
+        bias = None if model_state is None else model_state["expert_bias"]
+        logits, stats, counts = nnx.merge(self.graphdef, params)(
+            tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        n, o = self.n_moe_blocks, self.cfg.moe
+        if n == 0:
+            return loss, {}, {}
+        loss = loss + o.aux_loss_coef * stats[0] + o.z_loss_coef * stats[2]
+        metrics = {moe.AUX_METRIC[o.aux_loss_kind]: stats[0] / n, "dropped_frac": stats[1] / n}
+        metrics |= {"z_loss": stats[2] / n} if o.z_loss_coef > 0 else {}
+        return loss, metrics, {} if bias is None else {"tokens_per_expert": counts}
+
+    def update_state(self, model_state, stats):
+        """Once per step, the tokens per expert summed over the step's ranks and micro-batches ->
+        (the new state, metrics): Megatron's bias update (`moe.updated_expert_bias`); metrics
+        `load_max_violation`, the MoE blocks' mean of (max_e - mean) / mean tokens per expert (the
+        MaxVio of Loss-Free Balancing, 0 when balanced), and `expert_bias_min` / `expert_bias_max`
+        over every block's new bias."""
+        counts = stats["tokens_per_expert"]
+        bias = moe.updated_expert_bias(model_state["expert_bias"], counts, self.cfg.moe.bias_update_rate)
+        mean = counts.mean(axis=-1)
+        violation = jnp.mean((counts.max(axis=-1) - mean) / jnp.maximum(mean, 1.0))
+        metrics = {"load_max_violation": violation, "expert_bias_min": bias.min(), "expert_bias_max": bias.max()}
+        return {"expert_bias": bias}, metrics
 
     # What the inspect tools ask a model (`jzero.model`): the estimates only the model can give.
 

@@ -3,8 +3,10 @@ losses, and the two ways token copies reach their experts.
 
 One rank routes its own N tokens (Megatron's `topk` router with `moe_router_pre_softmax`):
 logits[N, E] = x @ router in the router dtype, p = softmax(logits) in fp32, and each token goes to
-its top_k experts with weight p (no renormalisation). Copies are choice-major: copy c * N + n is
-token n's c-th choice.
+its top_k experts with weight p (no renormalisation). With sigmoid scores (DeepSeek-V3) s =
+sigmoid(logits) instead, the top_k chosen by s + the expert bias (aux-loss-free balancing, when
+there is one) and weighted by s without it, renormalized over the top_k. Copies are choice-major:
+copy c * N + n is token n's c-th choice.
 
 With a capacity C (`capacity`, Megatron's formula), expert e keeps at most C of the copies routed
 to it, ranked by the drop policy (`queue_position`); the rest are dropped (weight 0, the token
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jzero.config import AuxLossKind, DropPolicy
+from jzero.config import AuxLossKind, DropPolicy, ScoreFunction
 
 # Rows per tile of `grouped_matmul` (`tile_rows`): the rows per group, within these bounds. On an
 # H100 a loop turn costs about as much as a [128, 4096] x [4096, 14336] dot, so tiles of 1024
@@ -66,15 +68,53 @@ def router_logits(x: jax.Array, router: jax.Array, dtype=None) -> jax.Array:
     return jnp.dot(x.astype(dtype), router.astype(dtype), preferred_element_type=dtype)
 
 
-def choose(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits[N, E] -> (probs[N, E] fp32, expert[k*N] int32, weight[k*N] in the logits' dtype).
+def choose(
+    logits: jax.Array,
+    top_k: int,
+    score_function: ScoreFunction = ScoreFunction.SOFTMAX,
+    bias: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits[N, E] -> (probs[N, E] fp32, expert[k*N] int32, weight[k*N] in the logits' dtype), Megatron's
+    `topk_routing_with_score_function` (ties: the lower expert).
 
-    Softmax in fp32 whatever the logits' dtype; each token's top_k experts by probability (ties:
-    the lower expert), weighted by their probability cast to the logits' dtype (Megatron's
-    `topk_routing_with_score_function` with `use_pre_softmax`)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weight, expert = jax.lax.top_k(probs, top_k)  # [N, k]
+    softmax (with `use_pre_softmax`): probs = softmax in fp32 whatever the logits' dtype; each token's
+    top_k experts by probability, weighted by it. sigmoid: scores s = sigmoid(logits) in fp32; the
+    top_k by s + `bias[E]` (fp32, the expert bias; None: 0), weighted by their s without the bias,
+    divided by the top_k's sum (+1e-20) when top_k > 1. probs are then s normalized over every expert
+    (Megatron's `compute_routing_scores_for_aux_loss`), what the load-balancing loss reads."""
+    logits32 = logits.astype(jnp.float32)
+    if score_function == ScoreFunction.SOFTMAX:
+        probs = jax.nn.softmax(logits32, axis=-1)
+        weight, expert = jax.lax.top_k(probs, top_k)  # [N, k]
+    else:
+        scores = jax.nn.sigmoid(logits32)
+        _, expert = jax.lax.top_k(scores if bias is None else scores + bias.astype(jnp.float32), top_k)
+        weight = jnp.take_along_axis(scores, expert, axis=-1)
+        weight = weight / (weight.sum(axis=-1, keepdims=True) + 1e-20) if top_k > 1 else weight
+        probs = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
     return probs, expert.T.reshape(-1), weight.T.reshape(-1).astype(logits.dtype)
+
+
+def top_experts(probs: jax.Array, top_k: int) -> jax.Array:
+    """probs[N, E] -> each token's top_k experts by `probs`, [k*N] int32 choice-major: the routing the
+    load-balancing loss counts (Megatron's: without the expert bias, before dropping)."""
+    return jax.lax.top_k(probs, top_k)[1].T.reshape(-1)
+
+
+def tokens_per_expert(expert: jax.Array, kept: jax.Array | None, num_experts: int) -> jax.Array:
+    """[E] fp32: the copies each expert runs, `expert[k*N]` where `kept` (None: all), Megatron's
+    `local_tokens_per_expert` (its routing map after dropping); no gradient."""
+    ones = jnp.ones(expert.shape, jnp.float32) if kept is None else kept.astype(jnp.float32)
+    return jax.lax.stop_gradient(jnp.zeros((num_experts,), jnp.float32).at[expert].add(ones))
+
+
+def updated_expert_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
+    """Megatron's `get_updated_expert_bias`: bias[..., E] + rate * sign(mean_e(counts) - counts), counts
+    [..., E] the tokens per expert summed over the step's ranks and micro-batches; an expert under the
+    mean load gains `rate`, one over it loses `rate`, one at it keeps its bias."""
+    counts = counts.astype(jnp.float32)
+    mean = counts.sum(axis=-1, keepdims=True) / counts.shape[-1]
+    return bias + jnp.sign(mean - counts) * rate
 
 
 def queue_position(

@@ -27,6 +27,7 @@ _PUBLIC = {
     "StepOptions": "jzero.zero.config",
     "TrainState": "jzero.zero.common.state",
     "ZeroState": "jzero.zero.common.state",
+    "ModelState": "jzero.zero.common.state",
     "ParamGroup": "jzero.zero.common.groups",
     "param_groups": "jzero.zero.common.groups",
     "store_state_in": "jzero.zero.common.moments",

@@ -22,7 +22,7 @@ from jzero.errors import ConfigError
 from jzero.zero.common.batch import batch_sharding
 from jzero.zero.common.offload import Offload, spec_offload
 from jzero.zero.common.probe import check_elementwise, check_groups_read
-from jzero.zero.common.state import LossFn, TrainState, ZeroState, init_train_state
+from jzero.zero.common.state import LossFn, ModelState, TrainState, ZeroState, init_train_state
 from jzero.zero.common.strategies import ShardingPlan, make_plan
 from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPath
 from jzero.zero.flat.convert import flat_to_model_space, model_space_to_flat
@@ -56,19 +56,20 @@ class Zero:
       init_opt: the state's params -> ZeroState, to call under jit (see `init_state`).
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
-      grads: jitted (state params, batch) -> the reduced grads as the optimizer reads them (spec:
+      grads: jitted (state params, batch, model_state=None) -> the reduced grads as the optimizer reads them (spec:
         per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
         [ep * tp, S_b] expert ([L, ...] a scanned stack's), split over the bucket's DP domain
         unless no_shard), of the loss
         unscaled: with fp16 params small ones may underflow where the step's scaled ones do not.
       model_opt_shardings: the NamedShardings of the optimizer state in model space (the
         spec path's layout, all in device memory), where `to_model_space` puts it.
-      evaluate: jitted (state params, batch) -> {"loss", **metrics} replicated: the loss as the step
+      evaluate: jitted (state params, batch, model_state=None) -> {"loss", **metrics} replicated: the loss as the step
         computes it (per rank, per microbatch, ZeRO-3 gathering each unit), without grads; for
         the same params and batch it is the step's "loss".
       offload: which optimizer-state leaves live in host memory (`common/offload.py`; their
         `shardings` have memory kind `pinned_host`); inactive at `zero.offload_fraction` 0.
       to_state: the params tree -> what `TrainState.params` holds, None where that is the tree.
+      model_state: the model's non-trainable state (`state.ModelState`: init and update), or None.
 
     `TrainState.params` is the params tree on the spec path and wherever the flat path keeps the
     params whole (DDP; ZeRO-1/2 without `overlap_param_gather`). Where the flat path's params rest
@@ -86,6 +87,7 @@ class Zero:
     groups: PyTree | None
     model_opt_shardings: ZeroState
     offload: Offload
+    model_state: ModelState | None
     shardings: TrainState  # these six: the path's `state.Programs`
     init_opt: Callable[[PyTree], ZeroState]
     step: Callable
@@ -102,8 +104,8 @@ class Zero:
         return batch_sharding(self.plan.mesh)
 
     def init_state(self, init_params: Callable[[], PyTree]) -> TrainState:
-        """The train state from `init_params()` (traced), born in its shardings."""
-        return init_train_state(init_params, self.init_opt, self.shardings, self.to_state)
+        """The train state from `init_params()` (traced), and the model state's `init()`, born in its shardings."""
+        return init_train_state(init_params, self.init_opt, self.shardings, self.to_state, self.model_state)
 
     @property
     def model_param_shardings(self) -> PyTree:
@@ -192,6 +194,7 @@ def build_zero(
     grad_reduce_dtype=jnp.float32,
     has_aux: bool = False,
     loss_scale: DynamicLossScale | None = None,
+    model_state: ModelState | None = None,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
@@ -228,6 +231,11 @@ def build_zero(
       loss_scale: dynamic loss scaling (fp16 params; `DynamicLossScale`): the step
         differentiates loss x scale, unscales the reduced grads in fp32, skips the whole update
         when any is inf/nan, and reports `loss_scale` and `skipped`. None: off.
+      model_state: the model's non-trainable state (`state.ModelState`): `loss_fn` is then called
+        with `model_state=` the state and returns (loss, metrics, stats); the step sums the stats
+        over the DP ranks and micro-batches and, after the grads' reduction and before the
+        optimizer step, updates the state by `model_state.update` (its metrics join the step's).
+        The state is replicated, in `TrainState.model_state`. None: the loss has no state.
     """
     options = StepOptions(microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux)
     if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
@@ -249,11 +257,13 @@ def build_zero(
         flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
         offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
         built = build_flat_step(
-            loss_fn, inner, flat, options, zero, groups=groups, offload=offload if offload.active else None
+            loss_fn, inner, flat, options, zero, groups=groups, offload=offload if offload.active else None,
+            model_state=model_state,
         )
     else:
         offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
         built = build_spec_step(
-            loss_fn, inner, plan, zero, options, groups=groups, offload=offload, opt_shardings=model_opt_sh
-        )
-    return Zero(zero, options, plan, flat, inner, groups, model_opt_sh, offload, *built)
+            loss_fn, inner, plan, zero, options, groups=groups, offload=offload, opt_shardings=model_opt_sh,
+            model_state=model_state,
+        )  # fmt: skip
+    return Zero(zero, options, plan, flat, inner, groups, model_opt_sh, offload, model_state, *built)

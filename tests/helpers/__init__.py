@@ -99,7 +99,7 @@ def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
 
 
 def reference_run(cfg: Config, steps: int = STEPS):
-    """Plain single-device optax on the same batches: (losses, grad norms, params per step).
+    """Plain single-device optax on the same batches: (initial params, losses, grad norms, final params).
 
     Depends only on model, optimizer, data and seed, never on strategy or path, so one run
     serves every such variant of a config. A dense model's loss is a mean over tokens, the
@@ -107,10 +107,28 @@ def reference_run(cfg: Config, steps: int = STEPS):
     load-balancing loss), so the reference routes the same groups of rows: the global batch
     in dp_domain_size x microbatches contiguous groups (`jzero.zero.common.batch`), loss averaged; the
     global load-balancing loss sums its expert counts over one micro-batch's ranks (a vmap axis).
+    With `model.moe.expert_bias` the reference routes with the bias and moves it after each step by
+    Megatron's rule, transcribed here (`megatron_bias_update`), on the tokens per expert of every group.
     """
+    return _reference(cfg, steps)[:4]
+
+
+def reference_model_state(cfg: Config, steps: int = STEPS):
+    """The reference's model state after `steps` (`reference_run`): {"expert_bias": [n_moe, E]}, or None."""
+    return _reference(cfg, steps)[4]
+
+
+def _reference(cfg: Config, steps: int):
     groups = (cfg.dp_domain_size, cfg.train.microbatches) if cfg.model.moe.num_experts else (1, 1)
     train = dataclasses.replace(cfg.train, microbatches=1)
     return _reference_run(dataclasses.replace(cfg, mesh=MeshConfig(), zero=ZeroConfig(), train=train), steps, groups)
+
+
+def megatron_bias_update(bias, tokens_per_expert, rate: float):
+    """Megatron-LM's `get_updated_expert_bias` (moe_utils.py), after its all-reduce: average_tokens =
+    tokens.sum(-1, keepdim=True) / tokens.shape[-1]; bias + sign(average_tokens - tokens) * rate."""
+    average = tokens_per_expert.sum(axis=-1, keepdims=True) / tokens_per_expert.shape[-1]
+    return bias + jnp.sign(average - tokens_per_expert) * rate
 
 
 def grouped_loss(model: GPTModel, groups: tuple[int, int]):
@@ -124,6 +142,20 @@ def grouped_loss(model: GPTModel, groups: tuple[int, int]):
         return jnp.mean(jax.vmap(per_rank, in_axes=1)(rows))
 
     return loss if n_dp * microbatches > 1 else model.loss
+
+
+def grouped_loss_with_state(model: GPTModel, groups: tuple[int, int]):
+    """`grouped_loss` of `model.loss_with_state`: (params, model_state, batch) -> (mean loss, the
+    stats summed over every group)."""
+    n_dp, microbatches = groups
+
+    def loss(params, model_state, batch):
+        rows = batch.reshape(n_dp, microbatches, -1, *batch.shape[1:])
+        one = lambda r: model.loss_with_state(params, r, model_state)  # noqa: E731
+        losses, _, stats = jax.vmap(jax.vmap(one, axis_name=RANKS), in_axes=1)(rows)  # [M, ranks]
+        return jnp.mean(losses), jax.tree.map(lambda x: x.sum(axis=(0, 1)), stats)
+
+    return loss
 
 
 def _once_per_session(key: str, compute: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
@@ -151,23 +183,32 @@ def _reference_run(cfg: Config, steps: int, groups: tuple[int, int] = (1, 1)):
     """`_compute_reference`, computed once per test session (`_once_per_session`)."""
 
     def compute():
-        init, losses, norms, params = _compute_reference(cfg, steps, groups)
+        init, losses, norms, params, state = _compute_reference(cfg, steps, groups)
         arrays = {f"init{i}": x for i, x in enumerate(jax.tree.leaves(init))}
         arrays |= {f"params{i}": x for i, x in enumerate(jax.tree.leaves(params))}
+        arrays |= {f"state{i}": x for i, x in enumerate(jax.tree.leaves(state))}
         return dict(losses=losses, norms=norms, **arrays)
 
     key = hashlib.sha256(repr((cfg, steps, groups)).encode()).hexdigest()[:24]
     f, _ = _once_per_session(key, compute)
-    treedef = jax.tree.structure(GPTModel(cfg.model, seed=cfg.train.seed).abstract_params())
+    model = GPTModel(cfg.model, seed=cfg.train.seed)
+    treedef = jax.tree.structure(model.abstract_params())
     n = treedef.num_leaves
     init = jax.tree.unflatten(treedef, [f[f"init{i}"] for i in range(n)])
     params = jax.tree.unflatten(treedef, [f[f"params{i}"] for i in range(n)])
-    return init, f["losses"], f["norms"], params
+    state_def = jax.tree.structure(jax.eval_shape(model.init_state))
+    state = jax.tree.unflatten(state_def, [f[f"state{i}"] for i in range(state_def.num_leaves)])
+    return init, f["losses"], f["norms"], params, state
 
 
 def _compute_reference(cfg: Config, steps: int, groups: tuple[int, int]):
     model = GPTModel(cfg.model, seed=cfg.train.seed, dp_axes=(RANKS,) if groups[0] > 1 else ())
-    loss_fn = grouped_loss(model, groups)
+    stateful = model.init_state() is not None
+    if stateful:
+        loss_fn = grouped_loss_with_state(model, groups)
+    else:
+        plain = grouped_loss(model, groups)
+        loss_fn = lambda params, state, batch: (plain(params, batch), {})  # noqa: E731
     tx = plain_optax(cfg, model)
     device = jax.devices()[0]
     params = jax.jit(model.init, out_shardings=SingleDeviceSharding(device))()  # jit(device=) is deprecated
@@ -175,20 +216,25 @@ def _compute_reference(cfg: Config, steps: int, groups: tuple[int, int]):
     opt_state = jax.device_put(tx.init(params), device)
 
     @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    def step(params, opt_state, model_state, batch):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch)
+        if stateful:
+            bias, rate = model_state["expert_bias"], cfg.model.moe.bias_update_rate
+            model_state = {"expert_bias": megatron_bias_update(bias, stats["tokens_per_expert"], rate)}
         grads, norm = clip_by_global_norm(grads, cfg.optimizer.clip_grad)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, norm
+        return optax.apply_updates(params, updates), opt_state, model_state, loss, norm
 
     data = setup_free_dataset(cfg)
     init = jax.device_get(params)
+    model_state = jax.device_put(model.init_state(), device)
     losses, norms = [], []
     for i in range(steps):
-        params, opt_state, loss, norm = step(params, opt_state, jax.device_put(data.batch(i), device))
+        batch = jax.device_put(data.batch(i), device)
+        params, opt_state, model_state, loss, norm = step(params, opt_state, model_state, batch)
         losses.append(float(loss))
         norms.append(float(norm))
-    return init, np.array(losses), np.array(norms), jax.device_get(params)
+    return init, np.array(losses), np.array(norms), jax.device_get(params), jax.device_get(model_state)
 
 
 def setup_free_dataset(cfg: Config):
@@ -296,4 +342,8 @@ def assert_matches_reference(cfg, devices=None) -> list[dict]:
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
     assert len(losses) == STEPS
+    ref_state = reference_model_state(cfg)
+    assert jax.tree.structure(jax.device_get(state.model_state)) == jax.tree.structure(ref_state)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.model_state)), jax.tree.leaves(ref_state)):
+        np.testing.assert_array_equal(a, b)  # the expert bias: the same counts give the same signs, bitwise
     return record

@@ -16,6 +16,7 @@ from helpers import (
     assert_matches_reference,
     init_state,
     matrix,
+    reference_model_state,
     reference_run,
     rel_param_errors,
     run_steps,
@@ -124,6 +125,37 @@ def test_aux_loss_kinds_and_z_loss_match_single_device(strategy, mesh, microbatc
         assert m["z_loss"] > 0 and 0.0 < m["dropped_frac"] < 0.5
 
 
+# 0.01: about the spread of the tiny router's sigmoid scores, so the bias moves some tokens, not all
+# (at Megatron's test's 0.1 every token follows the bias and the load swings from step to step).
+BIAS = {"score_function": "sigmoid", "expert_bias": True, "bias_update_rate": 0.01}
+
+
+@pytest.mark.parametrize(
+    "strategy, mesh, microbatches, path, moe_keys",
+    [
+        ("optim", (2, 2, 1), 2, "flat", {}),
+        ("optim_grads", (4, 1, 1), 2, "spec", {}),
+        ("optim_grads", (2, 2, 1), 2, "flat", {"capacity_factor": None}),
+        ("optim", (4, 1, 1), 2, "spec", {"aux_loss_kind": "global", "z_loss_coef": 0.01}),
+    ],
+    ids=["zero1-dp2-ep2-flat", "zero2-dp4-spec", "zero2-dp2-ep2-flat-dropless", "zero1-dp4-spec-global-z"],
+)
+@pytest.mark.matrix  # the first case in the fast subset
+def test_expert_bias_matches_single_device(strategy, mesh, microbatches, path, moe_keys):
+    """Aux-loss-free balancing on 4 devices, 2 micro-batches: the same losses, params and expert bias as
+    the single-device reference, which moves its bias by Megatron's rule on the tokens per expert of
+    every (rank, micro-batch) group. The bias changes the routing within the 5 steps (the losses differ
+    from a rate of 0), and the metrics report the load and the bias's range."""
+    cfg = tiny_config(strategy, mesh, microbatches, zero={"path": path}, model={"moe": MOE | BIAS | moe_keys})
+    metrics = assert_matches_reference(cfg, jax.devices()[:4])
+    for i, m in enumerate(metrics):
+        assert m["load_max_violation"] >= 0 and m["expert_bias_min"] <= m["expert_bias_max"] <= 0.01 * (i + 1)
+    bias = reference_model_state(cfg)["expert_bias"]
+    assert bias.shape == (1, 4) and np.any(bias != 0)
+    frozen = tiny_config(strategy, mesh, microbatches, model={"moe": MOE | BIAS | moe_keys | {"bias_update_rate": 0.0}})
+    assert not np.array_equal(reference_run(cfg)[1], reference_run(frozen)[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, mesh, microbatches, path, model",
@@ -230,16 +262,22 @@ def test_bad_moe_configs_are_one_clear_error():
         tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"drop_policy": "tokens"}})
     with pytest.raises(ConfigError, match=r"model.moe.aux_loss_kind='batch' is not one of: micro_batch, sequence, glo"):
         tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"aux_loss_kind": "batch"}})
+    with pytest.raises(ConfigError, match=r"^model.moe.expert_bias=true needs model.moe.score_function=sigmoid, got s"):
+        tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"expert_bias": True}})
+    with pytest.raises(ConfigError, match=r"model.moe.bias_update_rate=-0.001 must be >= 0"):
+        tiny_config("optim", (2, 2, 2), model={"moe": MOE | {"bias_update_rate": -1e-3}})
 
 
 def test_a_config_saved_before_the_router_options_loads_with_their_defaults():
     """A checkpoint's config (meta/config, `to_dict`) written before drop_policy, aux_loss_kind,
-    z_loss_coef and router_dtype existed still loads: the missing keys take their defaults."""
+    z_loss_coef, router_dtype, score_function, expert_bias and bias_update_rate existed still loads:
+    the missing keys take their defaults."""
     from jzero.config import Config, from_dict, to_dict
 
     cfg = moe_config()
     old = to_dict(cfg)
-    for key in ("drop_policy", "aux_loss_kind", "z_loss_coef", "router_dtype"):
+    for key in ("drop_policy", "aux_loss_kind", "z_loss_coef", "router_dtype", "score_function", "expert_bias",
+                "bias_update_rate"):  # fmt: skip
         del old["model"]["moe"][key]
     assert from_dict(old) == cfg
     assert from_dict(to_dict(Config())).model.moe == Config().model.moe
@@ -343,3 +381,43 @@ def test_an_expert_flag_that_disagrees_with_the_ep_split_is_refused():
     no_ep = jax.tree.map(lambda s: P(*[None if e == "ep" else e for e in s]), specs, is_leaf=lambda s: isinstance(s, P))
     with pytest.raises(ConfigError, match=r"is_expert=True but its spec .* does not split it over 'ep'"):
         make_plan(run.mesh, run.cfg.zero.strategy, abstract, no_ep, run.model.is_expert(abstract))
+
+
+@pytest.mark.slow
+def test_the_expert_bias_is_checkpointed_and_old_checkpoints_restore_at_zero(tmp_path):
+    """The bias is saved with the state (model_state/expert_bias) and restored, bitwise, onto another mesh
+    and path, where the next step goes on as the uninterrupted run's; a checkpoint of the same model
+    without the bias (saved before expert_bias existed) restores with the bias at its initial zeros."""
+    moe_keys = MOE | BIAS
+    cfg = tiny_config("optim_grads", (2, 2, 1), 2, model={"moe": moe_keys})
+    run = setup(cfg, jax.devices()[:4])
+    state = init_state(run)
+    for i in range(2):
+        state, _ = run.zero.step(state, run.device_batch(i))
+    ck = Checkpointer(tmp_path / "ck", run, async_save=False)
+    ck.save(state, cfg)
+    ck.close()
+    saved = np.asarray(jax.device_get(state.model_state["expert_bias"]))
+    assert np.any(saved != 0)
+    _, want = run.zero.step(state, run.device_batch(2))
+
+    other = tiny_config("optim", (4, 1, 1), 2, zero={"path": "flat"}, model={"moe": moe_keys})
+    run2 = setup(other, jax.devices()[:4])
+    reader = Checkpointer(tmp_path / "ck", run2, writer=False)
+    restored = reader.restore(2)
+    reader.close()
+    np.testing.assert_array_equal(np.asarray(restored.model_state["expert_bias"]), saved)
+    assert restored.model_state["expert_bias"].sharding == run2.zero.shardings.model_state["expert_bias"]
+    _, got = run2.zero.step(restored, run2.device_batch(2))
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    assert got["expert_bias_max"] == want["expert_bias_max"] and got["expert_bias_min"] == want["expert_bias_min"]
+
+    plain = tiny_config("optim_grads", (2, 2, 1), 2, model={"moe": MOE | {"score_function": "sigmoid"}})
+    run3 = setup(plain, jax.devices()[:4])
+    ck = Checkpointer(tmp_path / "old", run3, async_save=False)
+    ck.save(init_state(run3), plain)
+    ck.close()
+    reader = Checkpointer(tmp_path / "old", run, writer=False)
+    old = reader.restore(0)
+    reader.close()
+    np.testing.assert_array_equal(np.asarray(old.model_state["expert_bias"]), np.zeros((1, 4), np.float32))

@@ -5,7 +5,8 @@ From megatron/core/transformer/moe (`moe_utils.py`, `router.py`) and their tests
 Megatron's functions are transcribed in NumPy below (`megatron_*`), each from the function of the
 same name, and jzero's router must give what they give: the capacity, the top-k routing with
 pre-softmax probabilities, both drop policies, Switch's loss of every kind, the z-loss, and the
-token dispatcher's dropless and capacity round trips. Two deliberate differences are pinned too:
+token dispatcher's dropless and capacity round trips, the sigmoid router with the expert bias and
+its update (aux-loss-free balancing). Two deliberate differences are pinned too:
 ties (torch.topk leaves their order unspecified; jzero and these transcriptions keep the lower
 index) and the global loss's per-rank scale (docs/moe.md).
 """
@@ -20,7 +21,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import AuxLossKind, DropPolicy
+from jzero.config import AuxLossKind, DropPolicy, ScoreFunction
 from jzero.train import moe
 
 # ---------------------------------------------------------------- Megatron, transcribed
@@ -355,7 +356,7 @@ def _moe_layer(**moe_keys):
     from jzero.config import ModelConfig, MoEConfig
     from jzero.train.layers import MoE
 
-    cfg = ModelConfig(d_model=12, d_ff=16, n_layers=2, moe=MoEConfig(num_experts=4, top_k=2, **moe_keys))
+    cfg = ModelConfig(d_model=12, d_ff=16, n_layers=2, moe=MoEConfig(**({"num_experts": 4, "top_k": 2} | moe_keys)))
     return MoE(cfg, nnx.Rngs(0), jnp.float32, 0.02)
 
 
@@ -371,7 +372,7 @@ def test_router_grads_come_from_the_losses_alone():
         graphdef, state = nnx.split(layer)
 
         def loss(state):
-            y, stats = nnx.merge(graphdef, state)(x)
+            y, stats, _ = nnx.merge(graphdef, state)(x)
             return 0 * y.sum() + aux_coef * stats[0] + z_coef * stats[2]
 
         return np.abs(np.asarray(jax.jit(jax.grad(loss))(state)["router"]["kernel"][...])).sum()
@@ -394,7 +395,7 @@ def test_router_dtype():
 
         layer = _moe_layer(router_dtype=None if dtype is None else DType(dtype))
         layer = jax.tree.map(lambda p: p.astype(jnp.bfloat16), layer)
-        y, stats = layer(x)
+        y, stats, _ = layer(x)
         assert y.dtype == jnp.bfloat16 and stats.dtype == jnp.float32
 
 
@@ -521,3 +522,144 @@ def test_tiles_follow_the_rows_per_group():
     assert moe.tile_rows(8192, 8) == 1024 and moe.tile_rows(32768, 1) == 1024
     assert moe.tile_rows(4000, 8) == 256 and moe.tile_rows(1000, 64) == 128
     assert moe.tile_rows(64, 4) == 64  # no more than the rows
+
+
+# ---------------------------------------------------------------- sigmoid scores and the expert bias
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+def megatron_topk_sigmoid(logits, topk, expert_bias=None):
+    """moe_utils.topk_routing_with_score_function(score_function="sigmoid", expert_bias=...):
+    (probs [N, k], top_indices [N, k]) (its dense_output form)."""
+    scores = _sigmoid(logits)
+    if expert_bias is not None:
+        _, top_indices = _topk_rows(scores + np.asarray(expert_bias, np.float64), topk)
+        scores = np.take_along_axis(scores, top_indices, axis=1)
+    else:
+        scores, top_indices = _topk_rows(scores, topk)
+    probs = scores / (scores.sum(-1, keepdims=True) + 1e-20) if topk > 1 else scores
+    return probs, top_indices
+
+
+def megatron_aux_scores_sigmoid(logits, topk):
+    """moe_utils.compute_routing_scores_for_aux_loss(score_function="sigmoid"): (routing_map, scores)."""
+    scores = _sigmoid(logits)
+    scores = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    _, idx = _topk_rows(scores, topk)
+    routing_map = np.zeros(scores.shape, bool)
+    np.put_along_axis(routing_map, idx, True, axis=1)
+    return routing_map, scores
+
+
+def megatron_get_updated_expert_bias(tokens_per_expert, expert_bias, rate):
+    """moe_utils.get_updated_expert_bias, after its all-reduce over tp x dp x cp."""
+    tokens = np.asarray(tokens_per_expert, np.float64)
+    average_tokens = tokens.sum(-1, keepdims=True) / tokens.shape[-1]
+    return np.asarray(expert_bias, np.float64) + np.sign(average_tokens - tokens) * rate
+
+
+@pytest.mark.parametrize("topk", [1, 2, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sigmoid_topk_routing_is_megatrons(topk, with_bias):
+    """test_routers.py's sigmoid routers: on 100 random routings the experts each token chooses, in
+    order, and their weights (renormalized over the top-k when k > 1, without the bias) are Megatron's;
+    the bias (as large as the scores' spread) changes some choices; the load-balancing loss reads
+    Megatron's aux-loss scores (sigmoid normalized over every expert) and unbiased routing map."""
+    rng = np.random.default_rng(topk)
+    changed = 0
+    choose = jax.jit(moe.choose, static_argnums=(1, 2))
+    for _ in range(100):
+        n, e = int(rng.integers(1, 40)), 8
+        logits = rng.normal(size=(n, e)).astype(np.float32)
+        bias = rng.normal(scale=0.2, size=e).astype(np.float32) if with_bias else None
+        probs, expert, weight = choose(jnp.asarray(logits), topk, ScoreFunction.SIGMOID, bias)
+        want_probs, want_idx = megatron_topk_sigmoid(logits, topk, bias)
+        np.testing.assert_array_equal(np.asarray(expert).reshape(topk, n).T, want_idx)
+        np.testing.assert_allclose(np.asarray(weight).reshape(topk, n).T, want_probs, rtol=1e-6)
+        aux_map, aux_scores = megatron_aux_scores_sigmoid(logits, topk)
+        np.testing.assert_allclose(np.asarray(probs), aux_scores, rtol=1e-6)
+        aux_expert = np.asarray(moe.top_experts(probs, topk)).reshape(topk, n).T
+        np.testing.assert_array_equal(np.sort(aux_expert, 1), np.sort(np.nonzero(aux_map)[1].reshape(n, topk), 1))
+        changed += with_bias and not np.array_equal(want_idx, megatron_topk_sigmoid(logits, topk)[1])
+    assert changed > 50 if with_bias and topk < 8 else changed == 0
+
+
+def test_bias_update_is_megatrons_sign_rule():
+    """moe_utils.get_updated_expert_bias by hand: per block, experts under the mean load gain the rate,
+    over it lose it, at it keep their bias."""
+    counts = jnp.array([[3.0, 1.0, 2.0, 2.0], [0.0, 4.0, 4.0, 0.0]])  # means 2 and 2
+    bias = jnp.array([[0.5, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]])
+    got = moe.updated_expert_bias(bias, counts, 0.1)
+    np.testing.assert_allclose(got, [[0.4, 0.1, 0.0, -0.5], [0.1, -0.1, -0.1, 0.1]], rtol=1e-6)
+    np.testing.assert_allclose(got, megatron_get_updated_expert_bias(counts, bias, 0.1), rtol=1e-6)
+    # Megatron all-reduces over tp x dp x cp, so tp ranks count each token tp times: the signs are the same.
+    np.testing.assert_array_equal(moe.updated_expert_bias(bias, 2 * counts, 0.1), got)
+
+
+def test_aux_loss_free_top2_router():
+    """test_routers.py::TestAuxLossFreeTop2Router (8 experts, top-2, hidden 12, sigmoid, bias rate 0.1,
+    no aux loss) and test_expert_bias_token_counts: each token counts once per chosen expert (dropless:
+    tokens x top_k in all), the counts are the routing map's column sums, and the bias moves."""
+    from jzero.config import ScoreFunction as SF
+
+    layer = _moe_layer(num_experts=8, score_function=SF.SIGMOID, expert_bias=True, bias_update_rate=0.1,
+                       aux_loss_coef=0.0, capacity_factor=None)  # fmt: skip
+    x = jax.random.normal(jax.random.key(7), (2, 32, 12))
+    bias = jnp.zeros((8,), jnp.float32)
+    _, _, counts = layer(x, bias=bias)
+    logits = moe.router_logits(x.reshape(-1, 12), layer.router["kernel"][...], "float32")
+    _, idx = megatron_topk_sigmoid(np.asarray(logits), 2, np.zeros(8))
+    routing_map = np.zeros((64, 8), bool)
+    np.put_along_axis(routing_map, idx, True, axis=1)
+    np.testing.assert_array_equal(counts, routing_map.sum(0))
+    assert float(counts.sum()) == 64 * 2
+    updated = moe.updated_expert_bias(bias, counts, 0.1)
+    assert not np.array_equal(updated, bias)
+    np.testing.assert_allclose(updated, megatron_get_updated_expert_bias(counts, bias, 0.1), rtol=1e-6)
+    # The next routing follows the bias: an expert it raised keeps every token it had (no expert rose
+    # past it), one it lowered gains none. (At rate 0.1 the tiny router's scores, ~0.05 apart, are
+    # outweighed: the load overshoots, which is why the rate is DeepSeek-V3's 1e-3 by default.)
+    _, _, biased = layer(x, bias=updated)
+    up, down = np.asarray(updated) > 0, np.asarray(updated) < 0
+    assert np.all(np.asarray(biased)[up] >= np.asarray(counts)[up])
+    assert np.all(np.asarray(biased)[down] <= np.asarray(counts)[down])
+
+
+def test_counts_are_of_the_kept_copies():
+    """Megatron counts its routing map after token dropping: with a capacity, the tokens per expert are
+    the copies each expert runs (at most C), their sum what is not dropped."""
+    from jzero.config import ScoreFunction as SF
+
+    layer = _moe_layer(score_function=SF.SIGMOID, expert_bias=True, capacity_factor=1.0)
+    x = jax.random.normal(jax.random.key(8), (2, 16, 12))
+    _, stats, counts = layer(x, bias=jnp.array([0.3, 0.0, 0.0, 0.0]))  # expert 0 over capacity
+    cap = moe.capacity(32, 4, 2, 1.0)
+    assert float(counts.max()) == cap and float(stats[1]) > 0
+    np.testing.assert_allclose(float(counts.sum()), 64 * (1 - float(stats[1])), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_step_moves_the_bias_by_the_counts_of_every_rank_and_micro_batch():
+    """One ZeRO-2 step on dp 2 x ep 2, 2 micro-batches: the bias it leaves is Megatron's update, by hand,
+    of the tokens per expert of the 4 ranks' 2 micro-batches (each routed on one device here)."""
+    from helpers import MOE, tiny_config
+    from jzero.train.loop import setup
+    from jzero.train.model import GPTModel
+
+    keys = {"score_function": "sigmoid", "expert_bias": True, "bias_update_rate": 0.01}
+    cfg = tiny_config("optim_grads", (2, 2, 1), 2, model={"moe": MOE | keys})
+    run = setup(cfg, jax.devices()[:4])
+    state = run.init_state()
+    params = jax.device_get(state.params)
+    state, metrics = run.zero.step(state, run.device_batch(0))
+    model = GPTModel(cfg.model, seed=cfg.train.seed)
+    rows = np.asarray(run.dataset.batch(0)).reshape(4, 2, -1, cfg.model.seq_len + 1)  # [rank, micro-batch, b, T+1]
+    stats = jax.jit(model.loss_with_state)
+    counts = sum(np.asarray(stats(params, rows[r, m], model.init_state())[2]["tokens_per_expert"])
+                 for r in range(4) for m in range(2))  # fmt: skip
+    want = megatron_get_updated_expert_bias(counts, np.zeros_like(counts), 0.01)
+    np.testing.assert_array_equal(np.asarray(state.model_state["expert_bias"]), want.astype(np.float32))
+    assert float(metrics["expert_bias_max"]) == float(want.astype(np.float32).max())

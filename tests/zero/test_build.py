@@ -12,6 +12,7 @@ from helpers import pytree
 from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES
 from jzero.zero.build import Zero, build_zero
+from jzero.zero.common.state import ModelState
 from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig
 
 
@@ -84,3 +85,54 @@ def test_the_flat_state_in_model_space_is_the_spec_paths_and_converts_back_exact
     back = jax.jit(z.from_model_space, out_shardings=z.shardings.opt_state)(model)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(flat.opt_state)):
         np.testing.assert_array_equal(a, b)
+
+
+def _counting_loss(params, batch, model_state, tp_axis=None):
+    """pytree's loss plus the state's `shift`; the stats count the rows and sum the targets."""
+    stats = {"rows": jnp.float32(batch["y"].shape[0]), "y": batch["y"].sum(axis=0)}
+    return pytree.loss(params, batch, tp_axis) + model_state["shift"], {}, stats
+
+
+COUNTING = ModelState(
+    init=lambda: {"shift": jnp.zeros((), jnp.float32), "rows": jnp.zeros((), jnp.float32), "y": jnp.zeros(12)},
+    update=lambda s, stats: (
+        {"shift": s["shift"] + 1.0, "rows": s["rows"] + stats["rows"], "y": s["y"] + stats["y"]},
+        {"rows_seen": s["rows"] + stats["rows"]},
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "strategy, path, microbatches, overlap",
+    [
+        ("optim_grads", "spec", 2, True),
+        ("optim", "spec", 2, True),
+        ("optim", "spec", 2, False),  # the accumulated (non-overlapped) schedule
+        ("no_shard", "spec", 1, False),
+        ("optim_grads_params", "spec", 1, True),
+        ("optim_grads", "flat", 2, True),
+        ("optim", "flat", 1, True),
+    ],
+)
+def test_a_model_state_sees_every_rank_and_micro_batch_once_per_step(strategy, path, microbatches, overlap):
+    """The `ModelState` hook: the loss runs with the state the step started with, the stats reach
+    `update` summed over the 4 DP ranks and the micro-batches, and the new state is replicated."""
+    z = pytree.build(strategy, path, microbatches=microbatches, loss_fn=_counting_loss, model_state=COUNTING,
+                     zero={"overlap_grad_reduce": overlap})  # fmt: skip
+    state = z.init_state(pytree.init_params)
+    assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(z.shardings)
+    batches = [pytree.batch(seed) for seed in range(2)]
+    for i, batch in enumerate(batches):
+        plain = float(pytree.loss(jax.device_get(state.params), batch))
+        state, metrics = z.step(state, jax.device_put(batch, z.batch_sharding))
+        np.testing.assert_allclose(float(metrics["loss"]), plain + i, rtol=1e-6)  # the step's old shift
+        assert float(metrics["rows_seen"]) == pytree.BATCH * (i + 1)
+    assert float(state.model_state["shift"]) == 2.0
+    np.testing.assert_allclose(state.model_state["y"], sum(b["y"].sum(axis=0) for b in batches), rtol=1e-5)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.model_state))
+    batch = jax.device_put(batches[0], z.batch_sharding)
+    plain = float(pytree.loss(jax.device_get(state.params), batches[0]))
+    np.testing.assert_allclose(float(z.evaluate(state.params, batch, state.model_state)["loss"]), plain + 2, rtol=1e-6)
+    np.testing.assert_allclose(float(z.evaluate(state.params, batch)["loss"]), plain, rtol=1e-6)  # the initial state
+    grads = [z.grads(state.params, batch), z.grads(state.params, batch, state.model_state)]
+    assert jax.tree.structure(grads[0]) == jax.tree.structure(grads[1])

@@ -70,13 +70,14 @@ def update(cfg: DynamicLossScale, state: LossScaleState, found_inf: jax.Array) -
 
 
 def scaled_loss(loss_metrics, loss_scale: jax.Array | None):
-    """`loss_metrics` ((params, batch, **axes) -> (loss, metrics)) as a function to differentiate:
-    -> (loss x loss_scale, (loss, metrics)); unchanged (loss, (loss, metrics)) for loss_scale None."""
+    """`loss_metrics` ((params, batch, **axes) -> (loss, metrics), or (loss, metrics, stats)) as a
+    function to differentiate: -> (loss x loss_scale, (loss, metrics[, stats])); unchanged (loss,
+    (loss, ...)) for loss_scale None."""
 
     def fn(*args, **kwargs):
-        loss, metrics = loss_metrics(*args, **kwargs)
+        loss, *aux = loss_metrics(*args, **kwargs)
         scaled = loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale.astype(jnp.float32)
-        return scaled, (loss, metrics)
+        return scaled, (loss, *aux)
 
     return fn
 

@@ -66,8 +66,8 @@ def sinks(prog, reduce: bool) -> list[jax.Array]:
     return [_zeros(s, dtype, sink_axes(buf, reduce)) for s, (buf, _) in zip(shapes, fp.buckets)]
 
 
-def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None):
-    """One micro-batch `mb` on this device as `phase` says: (loss, metrics, per plan bucket its grads,
+def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_state=None):
+    """One micro-batch `mb` on this device as `phase` says: (loss, (metrics, stats), per plan bucket its grads,
     the gathered buckets when extracting else None). `params`: as the state holds them (model-shaped
     tp-local, or the resting bucket shards), or the buckets an extracting phase gave (`phase.stacked`)."""
     fp = prog.fp
@@ -83,24 +83,28 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None):
     def loss_of(sinks, gsinks):
         extra = [None] * fp.n_buckets if gsinks is None else gsinks
         buckets = [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)]
-        return scaled_loss(prog.loss_fn, loss_scale)(flat_view(fp, treedef, buckets), mb, **prog.axis_kwargs)
+        view = flat_view(fp, treedef, buckets)
+        return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
-    (_, (loss, metrics)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)
-    return loss, metrics, g, full
+    (_, (loss, metrics, stats)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)
+    return loss, (metrics, stats), g, full
 
 
-def scheduled_grads(prog, params, batch, loss_scale=None):
-    """((loss, metrics) averaged over DP and micro-batches, the reduced grad buckets as shard_map returns
-    them: [1, S_b/d] ([L, 1, S_b/d] stacked; [S_b] under DDP)), of the loss times `loss_scale` if given."""
+def scheduled_grads(prog, params, batch, loss_scale=None, model_state=None):
+    """((loss, metrics) averaged over DP and micro-batches and the model's stats summed over them, the
+    reduced grad buckets as shard_map returns them: [1, S_b/d] ([L, 1, S_b/d] stacked; [S_b] under DDP)),
+    of the loss times `loss_scale` if given; `prog.loss_fn` in `state.loss_parts`'s form, called with
+    `model_state`."""
     fp, plan = prog.fp, prog.fp.plan
-    run = functools.partial(run_phase, prog, loss_scale=loss_scale)
-    losses, metrics, g = run_schedule(
+    run = functools.partial(run_phase, prog, loss_scale=loss_scale, model_state=model_state)
+    losses, (metrics, stats), g = run_schedule(
         run, params, prog.rank_microbatches(batch), gather=fp.params_rest_sharded, shards_grads=plan.shards_grads,
         shards_params=plan.shards_params, zeros=lambda: sinks(prog, True),
     )  # fmt: skip
-    means = (jnp.mean(losses), jax.tree.map(jnp.mean, metrics))
-    return jax.lax.pmean(means, BATCH_AXES), [from_local(buf, x) for (buf, _), x in zip(fp.buckets, g)]
+    loss, metrics = jax.lax.pmean((jnp.mean(losses), jax.tree.map(jnp.mean, metrics)), BATCH_AXES)
+    stats = jax.lax.psum(jax.tree.map(lambda x: jnp.sum(x, axis=0), stats), BATCH_AXES)  # [M, ...] per device
+    return (loss, metrics, stats), [from_local(buf, x) for (buf, _), x in zip(fp.buckets, g)]
 
 
 def evaluate_view(prog, params) -> PyTree:

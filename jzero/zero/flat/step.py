@@ -54,7 +54,16 @@ from jzero.zero.common.batch import batch_sharding, split_batch
 from jzero.zero.common.compiler import step_compiler_options
 from jzero.zero.common.groups import GroupValues, group_leaves
 from jzero.zero.common.offload import Offload
-from jzero.zero.common.state import LossFn, Programs, TrainState, ZeroState, with_metrics
+from jzero.zero.common.state import (
+    LossFn,
+    ModelState,
+    Programs,
+    TrainState,
+    ZeroState,
+    loss_parts,
+    model_state_shardings,
+    state_optional,
+)
 from jzero.zero.common.strategies import spec_axes
 from jzero.zero.common.update import finish, model_copy, optimizer_step
 from jzero.zero.config import ParamGatherDType, StepOptions, ZeroConfig
@@ -97,7 +106,8 @@ class FlatProgram:
     """The flat path's per-device programs; each runs inside a shard_map over the whole mesh.
 
     Attributes:
-      loss_fn: the user's loss, as (params, batch, **axes) -> (loss, metrics) (`state.with_metrics`).
+      loss_fn: the user's loss, as (params, batch, model_state, **axes) -> (loss, metrics, stats)
+        (`state.loss_parts`).
       inner: the element-wise optax transformation stepped on the owned shards.
       fp: the flat buffers.
       options: microbatches, grad reduce dtype, clipping, loss scaling.
@@ -134,8 +144,8 @@ class FlatProgram:
         return [to_local(buf, x) for (buf, _), x in zip(self.fp.buckets, params)] if self.fp.params_rest_sharded \
             else params  # fmt: skip
 
-    def local_grads(self, params: PyTree, mb: PyTree, loss_scale: jax.Array | None):
-        """((loss, metrics), this rank's grads of one microbatch as [S_b] buckets, scaled by 1 / (d x M))."""
+    def local_grads(self, params: PyTree, mb: PyTree, loss_scale: jax.Array | None, model_state: PyTree = None):
+        """((loss, metrics, stats), this rank's grads of one microbatch as [S_b] buckets, scaled by 1 / (d x M))."""
         # Params are invariant over their DP domain; differentiating them directly would make AD
         # insert the DP all-reduce itself (the transpose of the implicit cast to varying). Casting
         # them to DP-varying first gives this rank's local grads, which the buckets then reduce.
@@ -143,42 +153,47 @@ class FlatProgram:
         leaves = [jax.lax.pcast(p, t.dp_axes, to="varying") for p, t in zip(jax.tree.leaves(params), self.tensors)]
         params = jax.tree.unflatten(jax.tree.structure(params), leaves)
         loss = scaler.scaled_loss(self.loss_fn, loss_scale)
-        (_, (loss, metrics)), g = jax.value_and_grad(loss, has_aux=True)(params, mb, **self.axis_kwargs)
+        (_, parts), g = jax.value_and_grad(loss, has_aux=True)(params, mb, model_state, **self.axis_kwargs)
         o = self.options
         scale = 1.0 / (self.fp.d * o.microbatches)  # the dense DP size, for expert grads too (Megatron's)
         g = [(x.astype(jnp.float32) * scale).astype(o.grad_reduce_dtype) for x in jax.tree.leaves(g)]
-        return (loss, metrics), flatten(self.fp, g, o.grad_reduce_dtype)
+        return parts, flatten(self.fp, g, o.grad_reduce_dtype)
 
     def rank_microbatches(self, batch: PyTree) -> PyTree:
         """This rank's rows -> its microbatches [M, b, ...]."""
         return jax.tree.map(lambda x: x[:, 0], split_batch(batch, 1, self.options.microbatches))
 
-    def grads(self, params: PyTree, batch: PyTree, loss_scale: jax.Array | None = None):
-        """((loss, metrics) averaged over DP and microbatches, the reduced grad buckets): the owned shards
-        [1, S_b/d], full [1, S_b] under DDP (of the loss times `loss_scale`, if given).
+    def grads(self, params: PyTree, batch: PyTree, loss_scale: jax.Array | None = None, model_state: PyTree = None):
+        """((loss, metrics) averaged over DP and microbatches, the stats summed over them, the reduced
+        grad buckets): the owned shards [1, S_b/d], full [1, S_b] under DDP (of the loss times
+        `loss_scale`, if given).
 
         Scheduled: `grads.scheduled_grads`. Else ZeRO-2 reduce-scatters every microbatch after its
         backward, so only the owned shard accumulates; DDP and ZeRO-1 accumulate the full local
         buckets and reduce once, after the last (Megatron's without overlap).
         """
         if self.scheduled:
-            return grads.scheduled_grads(self, self.local_params(params), batch, loss_scale)
+            return grads.scheduled_grads(self, self.local_params(params), batch, loss_scale, model_state)
         fp, every = self.fp, self.fp.plan.shards_grads
         mbs = self.rank_microbatches(batch)
         # The first microbatch seeds the accumulator (so it has the carry's sharding type).
         first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
-        means, acc = self.local_grads(params, first, loss_scale)
+        (loss, metrics, stats), acc = self.local_grads(params, first, loss_scale, model_state)
+        means = (loss, metrics)
         acc = collectives.reduce(fp, acc) if every else acc
 
         def body(acc, mb):
-            means, g = self.local_grads(params, mb, loss_scale)
-            return [a + x for a, x in zip(acc, collectives.reduce(fp, g) if every else g)], means
+            (loss, metrics, stats), g = self.local_grads(params, mb, loss_scale, model_state)
+            return [a + x for a, x in zip(acc, collectives.reduce(fp, g) if every else g)], ((loss, metrics), stats)
 
         if self.options.microbatches > 1:
-            acc, rest_means = jax.lax.scan(body, acc, rest)
+            acc, (rest_means, rest_stats) = jax.lax.scan(body, acc, rest)
             means = jax.tree.map(lambda m, r: (m + r.sum()) / self.options.microbatches, means, rest_means)
+            stats = jax.tree.map(lambda s, r: s + r.sum(axis=0), stats, rest_stats)
         reduced = acc if every else collectives.reduce(fp, acc)
-        return jax.lax.pmean(means, BATCH_AXES), [from_local(buf, r) for (buf, _), r in zip(fp.buckets, reduced)]
+        loss, metrics = jax.lax.pmean(means, BATCH_AXES)
+        buckets = [from_local(buf, r) for (buf, _), r in zip(fp.buckets, reduced)]
+        return (loss, metrics, jax.lax.psum(stats, BATCH_AXES)), buckets
 
     def main_shards(self, params: PyTree, opt_state: ZeroState, ranks) -> list[jax.Array]:
         """The fp32 main params this rank steps: the kept ones, or its shards of the fp32 params."""
@@ -256,25 +271,25 @@ class FlatProgram:
         kept = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, main)] if self.keep_main else None
         return ZeroState(kept, _unsqueeze(fp, self.inner.init(main)), grad_scaler)
 
-    def evaluate(self, params: PyTree, batch: PyTree) -> dict:
+    def evaluate(self, params: PyTree, batch: PyTree, model_state: PyTree = None) -> dict:
         """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP
         (where the params rest sharded, each unit's gathered as the step's forward does)."""
         if self.fp.params_rest_sharded:
             view = grads.evaluate_view(self, self.local_params(params))
         else:
             view = params
-        run = lambda mb: self.loss_fn(view, mb, **self.axis_kwargs)  # noqa: E731
+        run = lambda mb: self.loss_fn(view, mb, model_state, **self.axis_kwargs)[:2]  # noqa: E731
         loss, metrics = jax.lax.map(run, self.rank_microbatches(batch))
         return jax.lax.pmean({"loss": jnp.mean(loss), **jax.tree.map(jnp.mean, metrics)}, BATCH_AXES)
 
 
-def _program(loss_fn, inner, fp, options, zero: ZeroConfig, groups, keep_main: bool) -> FlatProgram:
+def _program(loss_fn, inner, fp, options, zero: ZeroConfig, groups, keep_main: bool, model_state) -> FlatProgram:
     tensors = jax.tree.leaves(fp.plan.tensors)
     axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
     if fp.plan.splits_ep:
         axis_kwargs["ep_axis"] = EP_AXIS
     return FlatProgram(
-        with_metrics(loss_fn, options.has_aux), inner, fp, options,
+        loss_parts(loss_fn, options.has_aux, model_state), inner, fp, options,
         None if groups is None else tuple(group_leaves(groups)), zero.param_gather_dtype, keep_main, axis_kwargs,
         scheduled=zero.overlap_grad_reduce or fp.params_rest_sharded, reshard_after_forward=zero.reshard_after_forward,
     )  # fmt: skip
@@ -289,6 +304,7 @@ def build_flat_step(
     *,
     groups: PyTree | None = None,
     offload: Offload | None = None,
+    model_state: ModelState | None = None,
 ) -> Programs:
     """The flat path's shardings, optimizer init, jitted step, grads and evaluate.
 
@@ -305,17 +321,23 @@ def build_flat_step(
       groups: per param a `groups.ParamGroup`, or None.
       offload: the buckets whose state lives in host memory between steps (`flat/offload.py`),
         or None; the step copies them to device memory around the update.
+      model_state: the model's non-trainable state (`state.ModelState`), or None: the loss then takes
+        `model_state=` and returns (loss, metrics, stats); the stats are summed over the ranks (psum)
+        and micro-batches and update the state before the optimizer steps.
     """
     mesh = fp.plan.mesh
     opt_sh = state.opt_state_shardings(inner, fp, options.loss_scale, quantized=zero.param_gather_dtype is not None)
+    replicated = NamedSharding(mesh, P())
     shardings = TrainState(
-        state.param_shardings(fp), opt_sh if offload is None else offload.shardings(opt_sh), NamedSharding(mesh, P())
-    )
-    program = _program(loss_fn, inner, fp, options, zero, groups, opt_sh.main_params is not None)
+        state.param_shardings(fp), opt_sh if offload is None else offload.shardings(opt_sh), replicated,
+        model_state_shardings(model_state, replicated),
+    )  # fmt: skip
+    program = _program(loss_fn, inner, fp, options, zero, groups, opt_sh.main_params is not None, model_state)
     param_specs, opt_specs, reduce_specs = _specs(shardings.params), _specs(opt_sh), fp.bucket_specs()
     grads_fn = jax.shard_map(
-        program.grads, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P()), out_specs=((P(), P()), reduce_specs)
-    )
+        program.grads, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P(), P()),
+        out_specs=((P(), P(), P()), reduce_specs),
+    )  # fmt: skip
     # check_vma=False: the output params of tp-replicated tensors are identical on every tp
     # rank by construction (their grads were summed over tp above), which vma typing
     # cannot see through the concatenated buffer. Gradients are taken in grads_fn,
@@ -325,28 +347,37 @@ def build_flat_step(
         out_specs=(param_specs, opt_specs, P()), check_vma=False,
     )  # fmt: skip
     init_opt = jax.shard_map(program.init, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs, check_vma=False)
-    eval_fn = jax.shard_map(program.evaluate, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES)), out_specs=P())
+    eval_fn = jax.shard_map(
+        program.evaluate, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P()), out_specs=P()
+    )
 
     def step(state: TrainState, batch):
         grad_scaler = state.opt_state.grad_scaler
-        (loss, metrics), grads = grads_fn(state.params, batch, None if grad_scaler is None else grad_scaler.loss_scale)
+        loss_scale = None if grad_scaler is None else grad_scaler.loss_scale
+        (loss, metrics, stats), grads = grads_fn(state.params, batch, loss_scale, state.model_state)
+        new_model_state, state_metrics = state.model_state, {}
+        if model_state is not None:  # after the grads' reduction, before the optimizer (Megatron's order)
+            new_model_state, state_metrics = model_state.update(state.model_state, stats)
         opt_state = state.opt_state
         if offload is not None:
             opt_state, grads = offload.to_device(opt_state, after=grads)
         params, opt_state, opt_metrics = update_fn(state.params, opt_state, grads)
         opt_state = opt_state if offload is None else offload.to_host(opt_state)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, **opt_metrics, **metrics}
+        metrics = {"loss": loss, **opt_metrics, **metrics, **state_metrics}
+        return TrainState(params, opt_state, state.step + 1, new_model_state), metrics
 
-    replicated, batch_sh = NamedSharding(mesh, P()), batch_sharding(mesh)
+    batch_sh = batch_sharding(mesh)
     step_jit = jax.jit(
         step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0,
         compiler_options=step_compiler_options(mesh, zero) or None,
     )  # fmt: skip
+    state_sh = shardings.model_state
     grads_jit = jax.jit(
-        lambda params, batch: grads_fn(params, batch, None)[1],
-        in_shardings=(shardings.params, batch_sh),
+        lambda params, batch, state: grads_fn(params, batch, None, state)[1],
+        in_shardings=(shardings.params, batch_sh, state_sh),
         out_shardings=[NamedSharding(mesh, spec) for spec in reduce_specs],
     )
-    eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh, state_sh), out_shardings=replicated)
+    grads_jit, eval_jit = (state_optional(f, model_state, state_sh) for f in (grads_jit, eval_jit))
     to_state = functools.partial(state.from_model_params, fp) if fp.params_rest_sharded else None
     return Programs(shardings, init_opt, step_jit, grads_jit, eval_jit, to_state)

@@ -41,7 +41,7 @@ from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.state import LossFn, with_metrics
+from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
 from jzero.zero.common.units import Hook, UnitParam, materialize
 from jzero.zero.config import StepOptions, ZeroConfig
@@ -139,16 +139,17 @@ def _specs(plan: ShardingPlan, phase: Phase) -> _Specs:
     return _Specs(params, grads if phase.reduce else local, local)
 
 
-def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, loss_scale=None):
-    """One micro-batch `mb` ([n_dp, b, ...]) on every rank as `phase` says: (losses [n_dp], metrics
-    [n_dp], grads, extracted params or None). grads are reduced in `plan.grad_shardings()`, or, for a
+def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, loss_scale=None, model_state=None):
+    """One micro-batch `mb` ([n_dp, b, ...]) on every rank as `phase` says: (losses [n_dp], (metrics,
+    stats) [n_dp], grads, extracted params or None), `loss_metrics` in `state.loss_parts`'s form and
+    called with `model_state`. grads are reduced in `plan.grad_shardings()`, or, for a
     phase that does not reduce, this rank's own stacked `[n_dp, *shape]` in `plan.local_grad_shardings()`;
     extracted params are each rank's gathered copy, stacked alike (a later phase's `stacked` params)."""
     mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
     hooks = unit_hooks(plan, options, config.reshard_after_forward, phase)
     specs, stacked = _specs(plan, phase), P(BATCH_AXES)
 
-    def rank(params, sinks, accs, gsinks, mb, loss_scale):  # one rank's [1, b, ...] rows
+    def rank(params, sinks, accs, gsinks, mb, loss_scale, model_state):  # one rank's [1, b, ...] rows
         local = not phase.reduce
         sinks = _squeeze(sinks) if local else sinks
         params = _squeeze(params) if phase.stacked else params
@@ -156,12 +157,12 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
 
         def loss_of(sinks, gsinks):
             wrapped = unit_view(params, sinks, hooks, plan, None if accs is None else _squeeze(accs), gsinks)
-            return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), **ep_kwargs(plan))
+            return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), model_state, **ep_kwargs(plan))
 
-        (_, (loss, metrics)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
+        (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
         g = jax.tree.map(lambda x: x[None], g) if local else g
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
-        return loss[None], jax.tree.map(lambda m: m[None], metrics), g, full
+        return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g, full
 
     grad_sh = plan.grad_shardings() if phase.reduce else plan.local_grad_shardings()
 
@@ -178,11 +179,11 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
         rank,
         mesh=mesh,
         in_specs=(specs.params, specs.sinks, P() if acc is None else specs.local,
-                  P() if gsinks is None else specs.local, stacked, P()),
+                  P() if gsinks is None else specs.local, stacked, P(), P()),
         out_specs=(stacked, stacked, specs.sinks, P() if gsinks is None else specs.local),
         axis_names=set(BATCH_AXES),
     )  # fmt: skip
-    loss, metrics, g, full = fn(params, sinks, acc, gsinks, mb, loss_scale)
+    loss, metrics, g, full = fn(params, sinks, acc, gsinks, mb, loss_scale, model_state)
     return loss, metrics, jax.tree.map(jax.lax.with_sharding_constraint, g, grad_sh), full
 
 
@@ -194,8 +195,11 @@ def reduced_grads(
     options: StepOptions,
     config: ZeroConfig,
     loss_scale: jax.Array | None = None,
-) -> tuple[jax.Array, dict, PyTree]:
-    """Mean loss, mean metrics and the data-parallel mean of the gradients, in `plan.grad_shardings()`.
+    hook: ModelState | None = None,
+    model_state: PyTree = None,
+) -> tuple[jax.Array, dict, PyTree, PyTree]:
+    """Mean loss, mean metrics, the model's stats summed over ranks and micro-batches, and the
+    data-parallel mean of the gradients, in `plan.grad_shardings()`.
 
     Expert params (split over ep) enter each rank as its local experts and their grads
     leave stacked over the expert-DP domain only: `loss_fn` gets `ep_axis=` and moves tokens
@@ -208,23 +212,39 @@ def reduced_grads(
       config: `overlap_grad_reduce` and `reshard_after_forward` are read here.
       loss_scale: fp16's loss scale (a scalar): the grads are those of loss x loss_scale
         (`common/loss_scale.py`); the loss and metrics returned are not scaled. None: no scaling.
+      hook, model_state: the model's `ModelState` and its current value (replicated): the loss is
+        then called with `model_state=` and returns (loss, metrics, stats). None: a stateless loss.
     Returns:
-      (loss, metrics, grads): grads in the grad reduce dtype, sharded like `plan.grad_shardings()`.
+      (loss, metrics, stats, grads): stats replicated ({} without a hook), grads in the grad reduce
+      dtype, sharded like `plan.grad_shardings()`.
     """
     mesh = plan.mesh
     mbs = split_batch(batch, axes_size(mesh, BATCH_AXES), options.microbatches)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
-    loss_metrics = with_metrics(loss_fn, options.has_aux)
+    loss_metrics = loss_parts(loss_fn, options.has_aux, hook)
     if plan.shards_grads or config.overlap_grad_reduce:
-        losses, metrics, g = _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scale)
+        losses, (metrics, stats), g = _scheduled_grads(
+            loss_metrics, params, mbs, plan, options, config, loss_scale, model_state
+        )
     else:
-        losses, metrics, g = _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale)
-    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics), g
+        losses, (metrics, stats), g = _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale,
+                                                         model_state)  # fmt: skip
+    # Per rank and micro-batch [..., n_dp, *shape] (one micro-batch's sums, [M, *shape], without overlap):
+    # every leading dim is summed.
+    stats = jax.tree.map(lambda x, s: jnp.sum(x.reshape(-1, *s.shape), axis=0), stats, _stat_shapes(stats, losses))
+    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics), stats, g
 
 
-def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scale):
-    """The micro-batches as `Phase`s (`common/schedule.py`): (losses [M, n_dp], metrics, reduced grads)."""
-    run = functools.partial(run_phase, loss_metrics, plan, options, config, loss_scale=loss_scale)
+def _stat_shapes(stats: PyTree, losses: jax.Array) -> PyTree:
+    """Each stat's shape per rank and micro-batch: its shape past the leading dims `losses` has."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[losses.ndim :], x.dtype), stats)
+
+
+def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scale, model_state):
+    """The micro-batches as `Phase`s (`common/schedule.py`): (losses [M, n_dp], (metrics, stats), reduced
+    grads)."""
+    run = functools.partial(run_phase, loss_metrics, plan, options, config, loss_scale=loss_scale,
+                            model_state=model_state)  # fmt: skip
     zeros = lambda: jax.tree.map(  # noqa: E731
         lambda t, s: _zeros(t.shape, options.grad_reduce_dtype, s), plan.tensors, plan.grad_shardings()
     )
@@ -234,7 +254,7 @@ def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scal
     )  # fmt: skip
 
 
-def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale):
+def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale, model_state):
     """DDP and ZeRO-1 (module docstring): (losses, metrics, grads) with the local grads accumulated over
     the microbatches and reduced once, after the last."""
     mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
@@ -246,27 +266,28 @@ def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale):
         lambda s: tuple(a for a in BATCH_AXES if a not in spec_axes(s)), param_specs, is_leaf=_is_spec
     )
 
-    def rank_grads(params, mb, loss_scale):  # one rank's [1, b, ...] rows -> [1] loss and metrics, [1, *shape] grads
-        # DP-varying, so autodiff gives local grads (an expert param already varies over ep).
+    def rank_grads(params, mb, loss_scale, model_state):  # one rank's [1, b, ...] rows -> [1] loss, metrics
+        # and stats, [1, *shape] grads. DP-varying, so autodiff gives local grads (an expert param already
+        # varies over ep).
         params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying") if axes else p, params, invariant)
-        (_, (loss, metrics)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
-            params, jax.tree.map(lambda x: x[0], mb), **ep
+        (_, (loss, *aux)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
+            params, jax.tree.map(lambda x: x[0], mb), model_state, **ep
         )
         g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype)[None], g)
-        return loss[None], jax.tree.map(lambda m: m[None], metrics), g
+        return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g
 
     stacked = P(BATCH_AXES)
     local_grads_fn = jax.shard_map(
         rank_grads,
         mesh=mesh,
-        in_specs=(param_specs, stacked, P()),
+        in_specs=(param_specs, stacked, P(), P()),
         out_specs=(stacked, stacked, jax.tree.map(lambda t: restrict(t.local_grad_spec, BATCH_AXES), plan.tensors)),
         axis_names=set(BATCH_AXES),
     )
 
     def local_grads(mb):
         """[n_dp, ...] per-rank losses, metrics and grads of one microbatch, one slice per rank."""
-        loss, metrics, g = local_grads_fn(params, mb, loss_scale)
+        loss, metrics, g = local_grads_fn(params, mb, loss_scale, model_state)
         return loss, metrics, jax.tree.map(jax.lax.with_sharding_constraint, g, local_sh)
 
     def reduce(g):  # the DP collective: sum over ranks into the strategy's grad sharding
@@ -277,9 +298,10 @@ def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale):
         loss, metrics, g = local_grads(jax.tree.map(lambda x: x[0], mbs))
         return loss, metrics, reduce(g)
 
-    def body(acc, mb):  # the per-microbatch means, as the step has always averaged them
-        loss, metrics, g = local_grads(mb)
-        return jax.tree.map(jnp.add, acc, g), (jnp.mean(loss), jax.tree.map(jnp.mean, metrics))
+    def body(acc, mb):  # the per-microbatch means (the stats' sums), as the step has always averaged them
+        loss, (metrics, stats), g = local_grads(mb)
+        means = jax.tree.map(jnp.mean, metrics)
+        return jax.tree.map(jnp.add, acc, g), (jnp.mean(loss), (means, jax.tree.map(lambda x: x.sum(0), stats)))
 
     acc0 = jax.tree.map(
         lambda t, s: _zeros((axes_size(mesh, t.dp_axes), *t.shape), reduce_dtype, s), plan.tensors, local_sh
