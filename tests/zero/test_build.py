@@ -123,7 +123,7 @@ def test_a_model_state_sees_every_rank_and_micro_batch_once_per_step(strategy, p
     assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(z.shardings)
     batches = [pytree.batch(seed) for seed in range(2)]
     for i, batch in enumerate(batches):
-        plain = float(pytree.loss(jax.device_get(state.params), batch))
+        plain = float(pytree.loss(jax.device_get(z.full_params(state.params)), batch))
         state, metrics = z.step(state, jax.device_put(batch, z.batch_sharding))
         np.testing.assert_allclose(float(metrics["loss"]), plain + i, rtol=1e-6)  # the step's old shift
         assert float(metrics["rows_seen"]) == pytree.BATCH * (i + 1)
@@ -131,7 +131,7 @@ def test_a_model_state_sees_every_rank_and_micro_batch_once_per_step(strategy, p
     np.testing.assert_allclose(state.model_state["y"], sum(b["y"].sum(axis=0) for b in batches), rtol=1e-5)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.model_state))
     batch = jax.device_put(batches[0], z.batch_sharding)
-    plain = float(pytree.loss(jax.device_get(state.params), batches[0]))
+    plain = float(pytree.loss(jax.device_get(z.full_params(state.params)), batches[0]))
     np.testing.assert_allclose(float(z.evaluate(state.params, batch, state.model_state)["loss"]), plain + 2, rtol=1e-6)
     np.testing.assert_allclose(float(z.evaluate(state.params, batch)["loss"]), plain, rtol=1e-6)  # the initial state
     grads = [z.grads(state.params, batch), z.grads(state.params, batch, state.model_state)]
