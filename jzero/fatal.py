@@ -22,6 +22,10 @@ import os, re, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 glog = re.compile(rb"^[EFWI]\d{4} ")  # a C++ log line, which may be the abort's start: held until whole
+# What JAX logs as it loses the coordinator, before the abort (the polling thread's error, or the
+# preemption-notice thread's, with gRPC's detail lines), in whichever order its threads see it
+LOST = (b"Polled an error from coordination service", b"preemption_sync_manager", b"Additional GRPC error information",
+        b"Error received from peer")
 fatal, held, pending = False, b"", b""
 
 def write(data):
@@ -42,7 +46,7 @@ while True:
         if b"JAX distributed service detected fatal errors" in line:
             fatal = True
             break
-        if b"Polled an error from coordination service" in line:  # the abort's first line
+        if any(part in line for part in LOST):  # the abort's first lines: held until it is known
             held += line + b"\n"
             continue
         write(held + line + b"\n")

@@ -38,20 +38,56 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# The tests compile a few hundred small programs and run each a few steps: XLA:CPU's code generation
+# at LLVM -O0 halves the compile time. It changes neither XLA's HLO passes (fusion, scheduling,
+# collectives: what the HLO tests read) nor float semantics (no fast-math at any level); every
+# reference is computed in the same process, under the same flags.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--thorough",
+        action="store_true",
+        help="run every case of each `matrix` (the CI suite runs a covering subset; experiments/thorough)",
+    )
+
+
+def _pairs(params: dict) -> set:
+    """Every pair of (parameter, value)s of a case (each one alone when it has one parameter)."""
+    values = sorted((name, value if isinstance(value, str) else repr(value)) for name, value in params.items())
+    return {(a, b) for i, a in enumerate(values) for b in values[i + 1 :]} or {(v,) for v in values}
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test marked `matrix` keeps its first case in the fast subset (`-m "not slow"`) and marks the
-    others `slow`: the fast subset runs each code path once, the full suite every case."""
-    seen = set()
+    """The three tiers of a `matrix` (a parametrized test of many combinations):
+
+    - the fast subset (`-m "not slow"`) runs its first case;
+    - the suite (CI) runs the cases that cover every pair of parameter values at least once (each
+      strategy with each path, each mesh with each strategy, ...): in order, a case runs if some
+      pair of it no earlier case had;
+    - `--thorough` runs every combination (experiments/thorough/README.md).
+    """
+    first, covered, skipped = set(), {}, []
     for item in items:
         if item.get_closest_marker("matrix") is None:
             continue
         key = (item.path, item.originalname)
-        if key in seen:
+        if key in first:
             item.add_marker(pytest.mark.slow)
-        seen.add(key)
+        first.add(key)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        values = _pairs(params)
+        seen = covered.setdefault(key, set())
+        if values <= seen and not config.getoption("thorough"):
+            skipped.append(item)
+        seen |= values
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        gone = set(skipped)
+        items[:] = [item for item in items if item not in gone]

@@ -56,7 +56,7 @@ def jzero_params(cfg, state: dict) -> dict:
 
 
 def assert_logits(cfg, params, expected):
-    logits, _ = nnx.merge(GPTModel(cfg).graphdef, params)(jnp.asarray(expected["tokens"][:, :-1]))
+    logits, _, _ = nnx.merge(GPTModel(cfg).graphdef, params)(jnp.asarray(expected["tokens"][:, :-1]))
     want = expected["logits"]
     err = float(np.abs(np.asarray(logits) - want).max()) / float(np.abs(want).max())
     assert err <= LOGITS_REL, f"logits differ by {err:.3g} of the largest"

@@ -33,13 +33,13 @@ def test_reduced_grads_are_the_grads_of_the_whole_batch(strategy, microbatches):
     grads = jax.jit(
         lambda p, b: reduced_grads(pytree.loss, p, b, plan, options, ZeroConfig(strategy)),
         in_shardings=(plan.param_shardings(), batch_sharding(mesh)),
-        out_shardings=(replicated, replicated, plan.grad_shardings()),
+        out_shardings=(replicated, replicated, replicated, plan.grad_shardings()),
     )
     params, batch = jax.jit(pytree.init_params)(), pytree.batch()
-    loss, metrics, g = grads(params, batch)
+    loss, metrics, stats, g = grads(params, batch)
     want = pytree.loss(params, batch)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
-    assert metrics == {}
+    assert metrics == {} and stats == {}
     for k, x in jax.grad(pytree.loss)(params, batch).items():
         np.testing.assert_allclose(g[k], x, rtol=1e-5, atol=1e-7)
     evaluate = build_evaluate(pytree.loss, plan, options)
