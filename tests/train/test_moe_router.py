@@ -572,7 +572,7 @@ def test_sigmoid_topk_routing_is_megatrons(topk, with_bias):
     changed = 0
     choose = jax.jit(moe.choose, static_argnums=(1, 2))
     for _ in range(100):
-        n, e = int(rng.integers(1, 40)), 8
+        n, e = int(rng.choice([1, 7, 39])), 8  # three shapes: three compiles
         logits = rng.normal(size=(n, e)).astype(np.float32)
         bias = rng.normal(scale=0.2, size=e).astype(np.float32) if with_bias else None
         probs, expert, weight = choose(jnp.asarray(logits), topk, ScoreFunction.SIGMOID, bias)
