@@ -260,6 +260,7 @@ def test_dropped_frac_is_exactly_zero_when_nothing_is_dropped():
 # ---------------------------------------------------------------- load-balancing losses
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _balancing(logits, topk, kind, seq_len=None, dp_axes=()):
     logits = jnp.asarray(logits, jnp.float32)
     probs, expert, _ = moe.choose(logits, topk)
