@@ -9,7 +9,10 @@ finishes while the next layer's backward runs (`..._reduce_scatter`, `..._all_re
 loop body is unrolled twice so both iterations' buffers exist (`xla_gpu_enable_while_loop_double_
 buffering`). MaxText turns on the same options for FSDP on GPUs. Measured on LLaMA-2-7B's ZeRO-2
 step on 8 x H100 (deviceless): exposed DP wire 5.15 -> 1.92 GiB of 32.95 GiB, temp peak 21.13 ->
-20.34 GiB (docs/overlap.md).
+20.34 GiB (docs/overlap.md). With several micro-batches the double buffering costs more than it
+gives (it unrolls the micro-batch loop too): at 8 micro-batches, without it, ZeRO-1 leaves 1.76
+instead of 5.18 GiB exposed and peaks at 70.8 instead of 82.4 GiB, ZeRO-2 10.4 instead of 18.1 GiB
+and 33.5 instead of 36.2 GiB; so it is on for one micro-batch only.
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
@@ -30,9 +33,9 @@ PIPELINE = {
 }
 
 
-def step_compiler_options(mesh: Mesh, config: ZeroConfig) -> dict:
+def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> dict:
     """The XLA options of a ZeRO step on `mesh` (module docstring); {} off a GPU or without overlap."""
     platform = mesh.devices.flat[0].platform
     if platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
         return {}
-    return dict(PIPELINE)
+    return {**PIPELINE, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1}

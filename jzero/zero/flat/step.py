@@ -369,7 +369,7 @@ def build_flat_step(
     batch_sh = batch_sharding(mesh)
     step_jit = jax.jit(
         step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0,
-        compiler_options=step_compiler_options(mesh, zero) or None,
+        compiler_options=step_compiler_options(mesh, zero, options.microbatches) or None,
     )  # fmt: skip
     state_sh = shardings.model_state
     grads_jit = jax.jit(

@@ -89,7 +89,7 @@ def build_spec_step(
 
     step_jit = jax.jit(
         step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0,
-        compiler_options=step_compiler_options(plan.mesh, config) or None,
+        compiler_options=step_compiler_options(plan.mesh, config, options.microbatches) or None,
     )  # fmt: skip
     grads_jit = jax.jit(
         lambda params, batch, state: grads_of(params, batch, model_state=state)[3],

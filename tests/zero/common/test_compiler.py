@@ -18,12 +18,15 @@ def cpu_mesh():
 
 
 def test_no_options_on_cpu():
-    assert step_compiler_options(cpu_mesh(), ZeroConfig()) == {}
+    assert step_compiler_options(cpu_mesh(), ZeroConfig(), 1) == {}
 
 
 @needs_gpu_plugin
 @pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_mesh_pipelines_collectives_with_overlap(overlap):
+@pytest.mark.parametrize("microbatches", [1, 8])
+def test_gpu_mesh_pipelines_collectives_with_overlap(overlap, microbatches):
+    """With overlap, the pipeliner; the loop's double buffering for one micro-batch only."""
     mesh = gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
-    options = step_compiler_options(mesh, ZeroConfig(overlap_grad_reduce=overlap))
-    assert options == (PIPELINE if overlap else {})
+    options = step_compiler_options(mesh, ZeroConfig(overlap_grad_reduce=overlap), microbatches)
+    double = {"xla_gpu_enable_while_loop_double_buffering": microbatches == 1}
+    assert options == ({**PIPELINE, **double} if overlap else {})
