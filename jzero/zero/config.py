@@ -26,6 +26,16 @@ class ShardingStrategy(str, enum.Enum):
     OPTIM_GRADS = "optim_grads"  # ZeRO-2: ... and the reduced gradients
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
 
+    @property
+    def shards_grads(self) -> bool:
+        """ZeRO-2/3: the reduced grads are split over the DP domain."""
+        return self in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+
+    @property
+    def shards_params(self) -> bool:
+        """ZeRO-3: the model params themselves are split over the inner DP axes."""
+        return self == ShardingStrategy.OPTIM_GRADS_PARAMS
+
 
 class OuterStrategy(str, enum.Enum):
     """Megatron-FSDP's `outer_dp_sharding_strategy`: what HSDP shards across the `dp_outer` replicas."""
@@ -122,11 +132,11 @@ class ZeroConfig:
 
     @property
     def shards_grads(self) -> bool:
-        return self.strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+        return self.strategy.shards_grads
 
     @property
     def shards_params(self) -> bool:
-        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        return self.strategy.shards_params
 
     @property
     def gathers_in_forward(self) -> bool:

@@ -168,12 +168,12 @@ class ShardingPlan:
 
     @property
     def shards_grads(self) -> bool:
-        return self.strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+        return self.strategy.shards_grads
 
     @property
     def shards_params(self) -> bool:
         """ZeRO-3: the model params themselves are split over the inner DP axes."""
-        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        return self.strategy.shards_params
 
     @property
     def params_rest_sharded(self) -> bool:
@@ -334,6 +334,7 @@ def make_plan(
     if units is None:
         units = jax.tree.map(lambda _: None, abstract_params)  # a tree of None: no leaves, see below
     outer = (OUTER_AXIS,) if mesh.shape[OUTER_AXIS] > 1 else ()
+    strategy, outer_strategy = ShardingStrategy(strategy), OuterStrategy(outer_strategy)
 
     def plan_one(path, x, spec, expert, unit_dims):
         if bool(expert) != (EP_AXIS in spec_axes(spec)):
