@@ -249,7 +249,9 @@ class DistributedConfig:
     # Progress, not only liveness: once the steps have begun, no process completing a step (its save and
     # evaluation included) for this long stops every process, naming the slowest and its phase; 0 = off.
     # Set it above the longest step, save or evaluation (and the spread of the processes' compile times).
-    step_timeout_s: int = 0
+    # 30 minutes by default: Megatron's collective timeout (`--distributed-timeout-minutes`) is 10, and
+    # this one also covers a first step's compile. One process has no monitor.
+    step_timeout_s: int = 1800
 
 
 @dataclasses.dataclass(frozen=True)
