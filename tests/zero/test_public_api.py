@@ -1,5 +1,8 @@
 """The public API with a user's own model and loss (no jzero model, config or CLI involved)."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,3 +96,15 @@ def test_readme_param_groups_are_masked_weight_decay(path):
         u, o2 = decayed.update(g, o2, p2)
         p2 = optax.apply_updates(p2, u)
     assert np.abs(np.asarray(got["b1"]) - np.asarray(p2["b1"])).max() > 1e-4
+
+
+def test_the_documented_imports_import():
+    """Every `from jzero... import ...` line of the README's and docs/' examples names what jzero has."""
+    root = Path(__file__).resolve().parents[2]
+    seen = 0
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in page.read_text().splitlines():
+            if re.fullmatch(r"\s*(from jzero[\w.]* import [\w, ]+|import jzero[\w.]*)\s*(#.*)?", line):
+                exec(line.split("#")[0].strip(), {})  # an ImportError names the page's stale import
+                seen += 1
+    assert seen >= 4
