@@ -15,7 +15,11 @@ spec path's step each param of a unit arrives as a `UnitParam`, a pytree of arra
   sink:  zeros shaped like what the grad becomes: the rank's shard of the DP-reduced grad (ZeRO-1/2/3),
          the whole reduced grad (DDP), or this rank's own unreduced grad (a micro-batch that only
          accumulates). The step differentiates the loss with respect to the sinks, so what reaches
-         a sink is the unit's grad, scaled and reduced the moment the unit's backward is done.
+         a sink is the unit's grad, scaled and reduced the moment the unit's backward is done. A
+         micro-batch that only accumulates gets the grad unscaled, in the param's dtype (sink dtype
+         alike), and the step scales it (`scale_grad`) as it adds it to its accumulator: the
+         backward then holds the param dtype's local grads beside the fp32 accumulator, as Megatron
+         holds `param.grad` beside `main_grad`, not a second fp32 copy.
   acc:   DDP and ZeRO-1 over several micro-batches: this rank's grads accumulated over the earlier
          micro-batches, added before the last one's reduction (Megatron's grad buffer); else None.
   gsink: zeros shaped like the whole param, whose cotangent is the gathered param (as this rank's
@@ -80,8 +84,8 @@ class Hook:
         shard_map manual over those axes too, on each tp rank's block: XLA would otherwise
         gather a tp-split dim before a collective over the DP axes (docs/xla.md, "Collectives
         inside a partially manual shard_map").
-      reduce: reduce the grad over DP; False: the sink gets this rank's own scaled grad (a
-        micro-batch that only accumulates).
+      reduce: reduce the grad over DP; False: the sink gets this rank's own grad, unscaled in the
+        param's dtype (a micro-batch that only accumulates; the step scales it).
       extract: the gsink's cotangent is the gathered param (module docstring).
       keep: the gathered param is kept for the backward even when the unit recomputes its forward
         (`unit(..., remat=True)`): ZeRO-1/2's overlap_param_gather, which gathers once per step.
@@ -146,11 +150,18 @@ def _materialize_fwd(hook, value, sink, acc, gsink):
     return out, (acc, out if hook.extract else None)
 
 
+def scale_grad(g: jax.Array, scale: float, dtype) -> jax.Array:
+    """Megatron's gradient scaling of a local grad: times `scale` in fp32, cast to the reduce `dtype`."""
+    return (g.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _materialize_bwd(hook, residuals, g):
-    """The unit's grad of this param -> the sink's cotangent (reduced, or this rank's own) and, when
-    extracting, the gathered param as the gsink's."""
+    """The unit's grad of this param -> the sink's cotangent (reduced; or this rank's own, unscaled) and,
+    when extracting, the gathered param as the gsink's."""
     acc, full = residuals
-    g = (g.astype(jnp.float32) * hook.scale).astype(hook.reduce_dtype)
+    if not hook.reduce:  # only accumulates: the step scales it into its accumulator (module docstring)
+        return None, g, None, full
+    g = scale_grad(g, hook.scale, hook.reduce_dtype)
     if acc is not None:
         g = acc + g
     if hook.reduce:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam
+from jzero.zero.common.units import BucketParam, scale_grad
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -47,12 +47,17 @@ def _mode(prog, phase: Phase) -> str:
     return SHARD if phase.gather and prog.fp.params_rest_sharded else PARAMS
 
 
+def _grad_scale(prog) -> float:
+    """Megatron's gradient_scaling_factor: 1 / (dense DP size x micro-batches)."""
+    return 1.0 / (prog.fp.d * prog.options.microbatches)
+
+
 def phase_hooks(prog, phase: Phase) -> list:
     """Per plan bucket, the `hooks.BucketHook` of `phase`."""
     fp, o, mode = prog.fp, prog.options, _mode(prog, phase)
     plan = fp.plan
     return bucket_hooks(
-        fp, mode, 1.0 / (fp.d * o.microbatches), o.grad_reduce_dtype, reduce=phase.reduce, extract=phase.extract,
+        fp, mode, _grad_scale(prog), o.grad_reduce_dtype, reduce=phase.reduce, extract=phase.extract,
         keep=mode == SHARD and not plan.shards_params,
         reshard=mode == SHARD and prog.reshard_after_forward and plan.shards_params,
     )  # fmt: skip
@@ -60,8 +65,9 @@ def phase_hooks(prog, phase: Phase) -> list:
 
 def sinks(prog, reduce: bool) -> list[jax.Array]:
     """Per plan bucket, zeros shaped like what its grads become: the owned shard of the reduced bucket
-    (all of it under DDP), or this rank's own bucket when the phase only accumulates."""
-    fp, dtype = prog.fp, prog.options.grad_reduce_dtype
+    (all of it under DDP), or this rank's own bucket in the param dtype when the phase only accumulates
+    (`hooks.BucketHook.reduce_grads`)."""
+    fp, dtype = prog.fp, prog.options.grad_reduce_dtype if reduce else prog.param_dtype
     shapes = [fp.shard_shape(k) if reduce else (*buf.lead, buf.numel(b)) for k, (buf, b) in enumerate(fp.buckets)]
     return [_zeros(s, dtype, sink_axes(buf, reduce)) for s, (buf, _) in zip(shapes, fp.buckets)]
 
@@ -88,6 +94,8 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
 
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     (_, (loss, metrics, stats)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)
+    if not phase.reduce:  # this rank's own buckets, unscaled: scaled as they enter the accumulator
+        g = [scale_grad(x, _grad_scale(prog), prog.options.grad_reduce_dtype) for x in g]
     return loss, (metrics, stats), g, full
 
 

@@ -15,7 +15,8 @@ slices the [L, ...] arrays):
             laid into the bucket (zero in the gaps), the carry added (DDP/ZeRO-1's last micro-batch),
             then `collectives.reduce_bucket` (psum_scatter over the inner axes, then across dp_outer,
             or DDP's psum) into the sink: the owned [S_b/d] shard ([S_b] under DDP). A phase that
-            only accumulates gives the sink this rank's own [S_b].
+            only accumulates gives the sink this rank's own [S_b], unscaled in the param dtype (the
+            step scales it into the accumulator: `units.scale_grad`).
 
 Types (shard_map's varying-manual-axes check, which the loss's tp collectives need): the
 materialized params vary over every DP axis and over tp exactly when their tp spec names it, as the
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.mesh import AXES, TP_AXIS
-from jzero.zero.common.units import BucketParam, GroupHook, GroupParam, GroupRef, materialize_all
+from jzero.zero.common.units import BucketParam, GroupHook, GroupParam, GroupRef, materialize_all, scale_grad
 from jzero.zero.flat import collectives
 from jzero.zero.flat.local import bucket_of
 from jzero.zero.flat.plan import REST, FlatBuffer, FlatPlan
@@ -110,14 +111,14 @@ class BucketHook(GroupHook):
     def reduce_grads(self, grads: tuple, acc):
         # A grad varies as its param: over DP, and over tp where tp splits it; laid into the bucket
         # (whose rows are per tp rank) every one varies over tp.
-        scaled = [
-            _varying((g.astype(jnp.float32) * self.scale).astype(self.reduce_dtype), () if named else (TP_AXIS,))
-            for g, named in zip(grads, self.tp_named)
-        ]
+        tp = [() if named else (TP_AXIS,) for named in self.tp_named]
+        if not self.reduce:  # only accumulates: unscaled, in the param dtype (`units.UnitParam`'s sink)
+            return bucket_of(self.buf, self.b, [_varying(g, axes) for g, axes in zip(grads, tp)], grads[0].dtype)
+        scaled = [_varying(scale_grad(g, self.scale, self.reduce_dtype), axes) for g, axes in zip(grads, tp)]
         g = bucket_of(self.buf, self.b, scaled, self.reduce_dtype)
         if acc is not None:
             g = acc + g
-        return collectives.reduce_bucket(self.buf, g) if self.reduce else g
+        return collectives.reduce_bucket(self.buf, g)
 
 
 def bucket_hooks(fp: FlatPlan, mode: str, scale: float, reduce_dtype, **flags) -> list[BucketHook]:

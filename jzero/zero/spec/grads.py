@@ -43,7 +43,7 @@ from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, materialize
+from jzero.zero.common.units import Hook, UnitParam, materialize, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -145,7 +145,7 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
     called with `model_state`. grads are reduced in `plan.grad_shardings()`, or, for a
     phase that does not reduce, this rank's own stacked `[n_dp, *shape]` in `plan.local_grad_shardings()`;
     extracted params are each rank's gathered copy, stacked alike (a later phase's `stacked` params)."""
-    mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
+    mesh, reduce_dtype, scale = plan.mesh, options.grad_reduce_dtype, grad_scale(plan, options)
     hooks = unit_hooks(plan, options, config.reshard_after_forward, phase)
     specs, stacked = _specs(plan, phase), P(BATCH_AXES)
 
@@ -160,14 +160,16 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
             return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), model_state, **ep_kwargs(plan))
 
         (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
-        g = jax.tree.map(lambda x: x[None], g) if local else g
+        g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g) if local else g
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
         return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g, full
 
     grad_sh = plan.grad_shardings() if phase.reduce else plan.local_grad_shardings()
 
-    def sink(t, s):
-        return _zeros(t.shape if phase.reduce else (axes_size(mesh, t.dp_axes), *t.shape), reduce_dtype, s)
+    def sink(t, s):  # a phase that only accumulates gets its grads unscaled in the param dtype (`units.UnitParam`)
+        if phase.reduce:
+            return _zeros(t.shape, reduce_dtype, s)
+        return _zeros((axes_size(mesh, t.dp_axes), *t.shape), t.dtype, s)
 
     sinks = jax.tree.map(sink, plan.tensors, grad_sh)
     gsinks = None
@@ -273,7 +275,7 @@ def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale, mod
         (_, (loss, *aux)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
             params, jax.tree.map(lambda x: x[0], mb), model_state, **ep
         )
-        g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(reduce_dtype)[None], g)
+        g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g)
         return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g
 
     stacked = P(BATCH_AXES)

@@ -23,8 +23,8 @@ SCAN = {"scan_layers": True, "remat": True}
 
 def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
     """Outside a shard_map, on one device's values: `split` of a gathered bucket gives each param at its
-    range; `reduce_grads` without reduction gives the bucket of the grads scaled by 1 / (d x M), zero in
-    the gaps. A sink varies over every axis but those its reduction sums without scattering (DDP's)."""
+    range; `reduce_grads` without reduction gives the bucket of the grads as they are (unscaled, in their
+    dtype: the step scales them into its fp32 accumulator), zero in the gaps. A sink varies over every axis but those its reduction sums without scattering (DDP's)."""
     run = setup(flat_config("optim_grads", (8, 1, 1), model=SCAN, bucket_size=3000), with_data=False)
     fp = run.zero.flat
     (buf, b), hook = next(((bb, h) for bb, h in zip(fp.buckets, bucket_hooks(fp, SHARD, 0.5, jnp.float32))
@@ -37,12 +37,13 @@ def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
         assert x.shape == shape
         np.testing.assert_array_equal(np.asarray(x).reshape(-1), np.arange(ps, pe) - start)
     local = bucket_hooks(fp, PARAMS, 0.5, jnp.float32, reduce=False)[fp.buckets.index((buf, b))]
-    laid = local.reduce_grads(tuple(jnp.ones(s) for s in local.shapes), None)
+    laid = local.reduce_grads(tuple(jnp.full(s, 3.0, jnp.bfloat16) for s in local.shapes), None)
+    assert laid.dtype == jnp.bfloat16
     filled = np.zeros(end - start, bool)
     for j in buf.layout.bucket_params[b]:
         ps, pe, _ = buf.layout.param_index_map[j]
         filled[ps - start : pe - start] = True
-    np.testing.assert_array_equal(np.asarray(laid), np.where(filled, 0.5, 0.0))
+    np.testing.assert_array_equal(np.asarray(laid, np.float32), np.where(filled, 3.0, 0.0))
     assert sink_axes(buf, reduce=False) == sink_axes(buf, reduce=True) == AXES  # a reduce-scatter's shard is per rank
     ddp = setup(flat_config("no_shard", (8, 1, 1), model=SCAN), with_data=False).zero.flat.buffers[0]
     assert set(sink_axes(ddp, reduce=True)) == set(AXES) - set(ddp.dp_axes)  # a psum's sum is the same on every rank
