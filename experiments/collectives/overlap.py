@@ -8,7 +8,9 @@ backward, params gathered after the optimizer) and once with the defaults (per-u
 inside the backward, params gathered inside the next forward), and reads from each program, as
 `jzero hlo` does: the DP wire bytes per step, the part with no dot or convolution in its window
 (exposed), its time on the pod's links against the step's compute at peak
-(`jzero/inspect/timing.py`), the compiled temp peak and the compile time. Setups: LLaMA-2-7B on
+(`jzero/inspect/timing.py`), the compiled temp peak, the device's peak (arguments + outputs -
+aliased + temp, as `jzero memory` reads it: with `overlap_param_gather` the params rest sharded, so
+what the arguments no longer hold, the gathered params, is temp) and the compile time. Setups: LLaMA-2-7B on
 8 H100s (one host) at 1 and 8 micro-batches, LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host).
 Writes `overlap.json` (one `jzero hlo --json` document per setup, path and overlap) and
 `overlap.md` (the table of experiments/collectives/README.md). About 40 minutes on 2 CPU cores
@@ -25,6 +27,7 @@ from jzero.config import load_config
 from jzero.errors import ConfigError
 from jzero.inspect import comms
 from jzero.inspect.compile import compile_step, with_zero
+from jzero.inspect.memory import compiled_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ROOT, start  # noqa: E402  (this folder's script: JAX on CPU, deviceless GPUs)
@@ -50,7 +53,10 @@ def run(config, overrides, path, topology, overlap: bool) -> dict:
     for s in STRATEGIES:
         compiled[s] = compile_step(with_zero(cfg, s, path), "h100", topology)
         print(f"  {s} overlap={'on' if overlap else 'off'}: {compiled[s].compile_s:.0f} s", flush=True)
-    return comms.report(compiled)
+    report = comms.report(compiled)
+    for s, c in compiled.items():  # the device's peak: the state (arguments) and temp, as `jzero memory` reads it
+        report["strategies"][s]["device_peak_bytes"] = compiled_bytes(c)["peak"]
+    return report
 
 
 def gib(x: float) -> str:
@@ -62,21 +68,22 @@ def row(label: str, path: str, s: str, off: dict, on: dict) -> str:
         sch, t = d["schedule"], d["schedule"]["timing"]
         exposed, dp = sch["exposed_dp_wire_bytes_per_step"], d["per_step"]["dp_wire_bytes"]
         return (f"{gib(exposed)} ({exposed / dp:.1%})" if dp else "0", f"{1e3 * t['exposed_s']:.0f}",
-                gib(d["peak"]["temp_bytes"]))  # fmt: skip
+                gib(d["peak"]["temp_bytes"]), gib(d["device_peak_bytes"]))  # fmt: skip
 
-    (e0, ms0, p0), (e1, ms1, p1) = cells(off) if off else ("cannot build", "-", "-"), cells(on)
+    (e0, ms0, p0, q0), (e1, ms1, p1, q1) = cells(off) if off else ("cannot build", "-", "-", "-"), cells(on)
     t, c0 = on["schedule"]["timing"], f"{off['compile_s']:.0f}" if off else "-"
     return (
         f"| {label}, {path} | {LABELS[s]} | {gib(on['per_step']['dp_wire_bytes'])} | {on['ratio']:.3f} | {e0} | {e1} "
-        f"| {ms0} -> {ms1} of {1e3 * t['wire_s']:.0f} | {1e3 * t['compute_s']:.0f} | {p0} -> {p1} "
+        f"| {ms0} -> {ms1} of {1e3 * t['wire_s']:.0f} | {1e3 * t['compute_s']:.0f} | {p0} -> {p1} | {q0} -> {q1} "
         f"| {c0} / {on['compile_s']:.0f} |"
     )
 
 
 HEADER = (
     "| setup, path | stage | DP wire/step GiB | wire/theory | exposed GiB, overlap off | exposed GiB, on "
-    "| exposed ms off -> on of all DP ms | compute ms (peak) | temp peak GiB off -> on | compile s off / on |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| exposed ms off -> on of all DP ms | compute ms (peak) | temp peak GiB off -> on "
+    "| device peak GiB off -> on | compile s off / on |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

@@ -15,7 +15,9 @@ every param is in the rest group: one layout over the whole model, as Megatron's
 
 Each group's buffer is Megatron's layout (`buffers.build_layout`) over its params' local element
 counts (params in `jax.tree.leaves` order), padded to `lcm(d, 128)` with d its own DP size and
-cut into buckets (`zero.bucket_size` applies within a group). A scanned stack (unit_dims 1, `[L,
+cut into buckets (`zero.bucket_size` applies within a group; unset, Megatron's default:
+`default_bucket_size`, max(40M, 1M x the dense DP size) elements per bucket with per-unit
+buffers, where its DDP overlaps the reductions, one bucket per buffer without). A scanned stack (unit_dims 1, `[L,
 ...]`) is one unit laid out per layer: its layout is over one layer's params, and its bucket arrays
 carry a leading [L] (the layer loop slices one layer's bucket). Rank r of a buffer's DP domain owns
 `[r*S_b/d, (r+1)*S_b/d)` of each of its buckets b, in every layer. The plan numbers the buckets of
@@ -46,6 +48,13 @@ from jzero.zero.flat.buffers import Layout, build_layout
 
 PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)
+
+
+def default_bucket_size(plan: ShardingPlan, per_unit: bool) -> int | None:
+    """Megatron's bucket size when the user sets none (`DistributedDataParallel.__init__`): max(40M,
+    1M x the dense DP size) elements when the grads are reduced during the backward (here: per-unit
+    buffers), for dense and expert buffers alike; None, one bucket per buffer, when they are not."""
+    return max(40_000_000, 1_000_000 * axes_size(plan.mesh, DENSE_DP_AXES)) if per_unit else None
 DENSE, EXPERT = "dense", "expert"
 REST = ""  # the group of the params in no FSDP unit
 
@@ -337,7 +346,7 @@ def make_flat_plan(
 ) -> FlatPlan:
     """Megatron's layouts for the local params of `plan` (module docstring): per group (one per FSDP
     unit when `per_unit`, and the rest), a dense buffer and, for expert params, an expert buffer,
-    each padded for its own DP size.
+    each padded for its own DP size. bucket_size None: `default_bucket_size`.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
     a param split over mesh axes its buffer does not know (an expert param not split over ep,
@@ -353,6 +362,7 @@ def make_flat_plan(
     if odd:
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
     keys = group_keys(plan, per_unit)
+    bucket_size = default_bucket_size(plan, per_unit) if bucket_size is None else bucket_size
     groups = []
     for key in dict.fromkeys(keys):  # in the order of their first param
         members = [i for i, k in enumerate(keys) if k == key]
