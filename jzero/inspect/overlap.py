@@ -16,8 +16,10 @@ is not in its computation, as a pipelined collective's, overlaps the rest of it.
 Compute is counted in **flops of dots and convolutions**: a dot is 2 x (result elements) x
 (product of the lhs contracting dims), a convolution 2 x (result elements) x (kernel
 elements / output features), a cuBLAS GEMM custom call like a dot; fusions and called
-computations count what they contain, a `while` its body x its known trip count
-(1 when XLA does not know it), a `conditional` its largest branch. Everything else
+computations count what they contain, a `while` its body x its trip count (XLA's
+`known_trip_count`; where XLA dropped it, as it does for a loop it peeled, the count of a loop
+`i < N` whose counter starts from a constant, as JAX's scans count; else 1, and said), a
+`conditional` its largest branch. Everything else
 (elementwise fusions, reductions, copies) counts 0 flops; the window's instruction count
 (all but parameter, constant, tuple, get-tuple-element and bitcast) shows it.
 A collective is **exposed** when its window holds no dot or convolution flops.
@@ -63,7 +65,7 @@ class Flops:
 
     def trips(self, i: Instr) -> int | None:
         n = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.attrs)
-        return int(n.group(1)) if n else None
+        return int(n.group(1)) if n else _counted_trips(self.m, i)
 
     def of(self, i: Instr) -> float:
         """Flops of one execution of `i`, including what it calls."""
@@ -82,6 +84,44 @@ class Flops:
             self._comp[name] = 0.0  # guards against cycles
             self._comp[name] = sum(self.of(i) for i in self.m.computations.get(name, []))
         return self._comp[name]
+
+
+def _through_copies(m: Module, name: str) -> Instr | None:
+    i = m.instr.get(name)
+    while i is not None and i.opcode in ("copy", "bitcast") and i.operands:
+        i = m.instr.get(i.operands[0])
+    return i
+
+
+def _constant(i: Instr | None) -> int | None:
+    return int(i.operands[0]) if i is not None and i.opcode == "constant" and i.operands[0].isdigit() else None
+
+
+def _counted_trips(m: Module, loop: Instr) -> int | None:
+    """The trip count of a `while` XLA gave none: its condition `i < N` (a compare, or a fusion of
+    one) with i a tuple element the loop starts from a constant c: N - c (JAX's counters step by
+    1). None for any other loop."""
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", loop.attrs)
+    root = m.root(cond.group(1)) if cond else None
+    if root is None or not loop.operands:
+        return None
+    compare, outer = root, {}
+    if root.opcode == "fusion" and root.called:  # the fused computation's parameter k is the fusion's operand k
+        compare = m.root(root.called[0])
+        outer = {i.name: root.operands[int(i.operands[0])] for i in m.computations.get(root.called[0], [])
+                 if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}  # fmt: skip
+    if compare is None or compare.opcode != "compare" or "direction=LT" not in compare.attrs:
+        return None
+    counter = m.instr.get(outer.get(compare.operands[0], compare.operands[0]))
+    bound = _constant(_through_copies(m, outer.get(compare.operands[1], compare.operands[1])))
+    init = m.instr.get(loop.operands[0])
+    if counter is None or counter.opcode != "get-tuple-element" or bound is None or init is None:
+        return None
+    index = re.search(r"\bindex=(\d+)", counter.attrs)
+    if init.opcode != "tuple" or index is None or int(index.group(1)) >= len(init.operands):
+        return None
+    start = _constant(_through_copies(m, init.operands[int(index.group(1))]))
+    return bound - start if start is not None and bound > start else None
 
 
 # --------------------------------------------------------------------------- overlap

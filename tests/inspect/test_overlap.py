@@ -4,6 +4,8 @@ Every fixture is a real program compiled here: on the 8 simulated CPU devices, a
 CUDA plugin is installed, deviceless for 8 H100s (docs/xla.md, "Deviceless GPU compilation").
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -59,6 +61,22 @@ def test_flops_count_dots_in_loops_and_convolutions():
 
     text = jax.jit(conv).lower(jnp.ones((2, 16, 16, 8)), jnp.ones((3, 3, 8, 4))).compile().as_text()
     assert overlap.read_schedule(text).step_flops == 2 * (2 * 16 * 16 * 4) * (3 * 3 * 8)
+
+
+def test_a_loop_xla_gave_no_trip_count_is_counted_from_its_condition():
+    """XLA drops `known_trip_count` from a loop it peels (ZeRO-3's micro-batch loop on H100): the count
+    is then read from the loop itself, `i < N` from a constant start."""
+
+    def scan(w, x):  # 5 x [32, 64] @ [64, 64]
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+
+    text = jax.jit(scan).lower(jax.ShapeDtypeStruct((5, 64, 64), jnp.float32), jnp.ones((32, 64))).compile().as_text()
+    stripped = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+    assert stripped != text
+    s = overlap.read_schedule(stripped)
+    assert s.unknown_trip_counts == 0 and s.step_flops == 5 * 2 * 32 * 64 * 64
+    # A condition it cannot read (here `i != N`) is counted once, and said.
+    assert overlap.read_schedule(stripped.replace("direction=LT", "direction=NE")).unknown_trip_counts == 1
 
 
 def test_cublas_gemm_counts_like_a_dot():

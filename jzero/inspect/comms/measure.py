@@ -6,7 +6,7 @@ with its per-device ring wire bytes (docs/megatron.md, "Bytes on the wire"). `co
 over layers, the optimizer's per-layer gather) is one instruction however often the loop runs.
 The per-step numbers (`wire_bytes_per_step`, and the measured/theory ratio) count each
 instruction x the runs of its computation per step, read from the schedule
-(`overlap.read_schedule`: XLA's known trip counts), once per compiled step.
+(`overlap.read_schedule`: the loops' trip counts), once per compiled step.
 
 DP traffic (`hlo.is_dp_traffic`) is the collectives over DP axes but a MoE's all-to-all, which
 moves tokens (activations) to their experts over ep and is counted on its own; a row's domain

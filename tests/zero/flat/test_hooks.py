@@ -24,7 +24,8 @@ SCAN = {"scan_layers": True, "remat": True}
 def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
     """Outside a shard_map, on one device's values: `split` of a gathered bucket gives each param at its
     range; `reduce_grads` without reduction gives the bucket of the grads as they are (unscaled, in their
-    dtype: the step scales them into its fp32 accumulator), zero in the gaps. A sink varies over every axis but those its reduction sums without scattering (DDP's)."""
+    dtype: the step scales them into its fp32 accumulator), zero in the gaps. A sink varies over every
+    axis but those its reduction sums without scattering (DDP's)."""
     run = setup(flat_config("optim_grads", (8, 1, 1), model=SCAN, bucket_size=3000), with_data=False)
     fp = run.zero.flat
     (buf, b), hook = next(((bb, h) for bb, h in zip(fp.buckets, bucket_hooks(fp, SHARD, 0.5, jnp.float32))
