@@ -16,7 +16,7 @@ from jzero.train.loop import setup
 from jzero.zero.common.strategies import make_plan
 from jzero.zero.config import ShardingStrategy
 from jzero.zero.flat.buffers import build_layout
-from jzero.zero.flat.plan import REST, make_flat_plan
+from jzero.zero.flat.plan import REST, default_bucket_size, make_flat_plan
 
 LEAVES = ["bias", "s", "v", "w"]  # jax's order of the model's dict
 SCAN = {"scan_layers": True, "remat": True}
@@ -47,6 +47,13 @@ def test_the_flat_path_needs_one_param_dtype():
     mixed = pytree.abstract() | {"bias": jax.ShapeDtypeStruct((6,), jnp.bfloat16)}
     with pytest.raises(ConfigError, match=r"^zero.path=flat needs one param dtype \(one buffer\); got"):
         flat_plan(abstract=mixed)
+
+
+def test_the_default_bucket_size_is_megatrons_under_zero3_and_one_bucket_below():
+    for strategy, per_unit, want in [(ShardingStrategy.OPTIM_GRADS_PARAMS, True, 40_000_000),
+                                     (ShardingStrategy.OPTIM_GRADS, True, None), (ShardingStrategy.OPTIM, False, None)]:
+        plan = make_plan(pytree.mesh(4, 1), strategy, pytree.abstract(), pytree.NO_TP)
+        assert default_bucket_size(plan, per_unit) == want, strategy
 
 
 # ---------------------------------------------------------------- per FSDP unit
