@@ -164,9 +164,7 @@ def _materialize_bwd(hook, residuals, g):
     g = scale_grad(g, hook.scale, hook.reduce_dtype)
     if acc is not None:
         g = acc + g
-    if hook.reduce:
-        g = _tp_local(functools.partial(_reduce, hook), g, hook)
-    return None, g, None, full
+    return None, _tp_local(functools.partial(_reduce, hook), g, hook), None, full
 
 
 def _reduce(hook: Hook, g: jax.Array) -> jax.Array:

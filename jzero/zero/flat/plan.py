@@ -48,6 +48,8 @@ from jzero.zero.flat.buffers import Layout, build_layout
 
 PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)
+DENSE, EXPERT = "dense", "expert"
+REST = ""  # the group of the params in no FSDP unit
 
 
 def default_bucket_size(plan: ShardingPlan, per_unit: bool) -> int | None:
@@ -60,8 +62,6 @@ def default_bucket_size(plan: ShardingPlan, per_unit: bool) -> int | None:
     if per_unit and plan.shards_params:
         return max(40_000_000, 1_000_000 * axes_size(plan.mesh, DENSE_DP_AXES))
     return None
-DENSE, EXPERT = "dense", "expert"
-REST = ""  # the group of the params in no FSDP unit
 
 
 @dataclasses.dataclass(frozen=True)
