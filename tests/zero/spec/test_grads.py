@@ -84,6 +84,7 @@ def _per_step_payload(c, kind) -> float:
     return sum(o.collective.payload_bytes * o.runs for o in on_dp)
 
 
+@pytest.mark.slow  # two compiles for collectives: the fast subset's spec-path checks are its fidelity tests
 def test_zero1_reduce_scatters_per_unit_and_gathers_once():
     """ZeRO-1 of a scanned model on CPU: the grads leave as explicit reduce-scatters (per unit, in the
     last backward; XLA:CPU emits no reduce-scatter of its own) moving one set of grads, and the params
