@@ -120,16 +120,17 @@ class GPT(nnx.Module):
         Each block is one FSDP unit (`units.unit`): under ZeRO-3 its params are gathered just
         before it runs and its grads reduce-scattered right after its backward."""
 
-        def layer(graphdef, state, x, b):  # one block from its params; x [B, T, D], b its bias [E] or None
-            # remat: Megatron's full recompute, keeping only each block's input for backward
+        def layer(graphdef, state, x, b, in_scan=False):  # one block; x [B, T, D], b its bias [E] or None
+            # remat: Megatron's full recompute, keeping only each block's input for backward; in the
+            # scan without jax.checkpoint's CSE barrier, so XLA can prefetch the next layer's gathers
             block = lambda state, x, b: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes, b)  # noqa: E731
-            return units.unit(block, state, x, b, remat=self.remat)
+            return units.unit(block, state, x, b, remat=self.remat, prevent_cse=not in_scan)
 
         if self.scan_layers:  # every block is MoE, or none (model.moe.every=1)
             graphdef, states = nnx.split(self.blocks)
 
             def body(x, xs):
-                x, s, c = layer(graphdef, xs[0], x, xs[1])
+                x, s, c = layer(graphdef, xs[0], x, xs[1], in_scan=True)
                 return x, (s, c)
 
             x, (stats, counts) = jax.lax.scan(body, x, (states, bias))

@@ -51,6 +51,21 @@ def test_scan_and_remat_are_the_same_model():
         jax.tree.map(close, layer[1], grads["blocks"][i])
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_in_the_scan_has_no_cse_barrier(scan):
+    """In the layer scan a block's recompute carries no optimization barrier (`unit(...,
+    prevent_cse=False)`), which would hide ZeRO-3's backward gathers from XLA's collective
+    pipeliner (docs/overlap.md); unrolled blocks keep theirs, or XLA could merge a recompute with
+    its forward."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=8, scan_layers=scan,
+                      remat=True)  # fmt: skip
+    model = GPTModel(cfg)
+    params = jax.eval_shape(model.init)
+    tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)
+    text = jax.jit(jax.grad(model.loss)).lower(params, tokens).as_text()
+    assert ("optimization_barrier" in text) == (not scan)
+
+
 @pytest.mark.slow
 def test_gqa_rope_attention_matches_a_naive_reference():
     """Head h = g * R + r reads kv group g; rope in LLaMA's rotate-half form."""
