@@ -1,5 +1,6 @@
 """The XLA options of a ZeRO step (`jzero/zero/common/compiler.py`): XLA:GPU's collective pipeliner
-with overlap on a GPU mesh, nothing on a CPU mesh or without overlap."""
+with overlap on a GPU mesh (and the spec path's raised combiner thresholds), nothing on a CPU mesh or
+without overlap."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from jax.sharding import Mesh
 
 from helpers.programs import needs_gpu_plugin
 from jzero.inspect.targets import gpu_mesh
-from jzero.zero.common.compiler import PIPELINE, step_compiler_options
+from jzero.zero.common.compiler import COMBINE, PIPELINE, step_compiler_options
 from jzero.zero.config import ZeroConfig
 
 
@@ -25,8 +26,22 @@ def test_no_options_on_cpu():
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("microbatches", [1, 8])
 def test_gpu_mesh_pipelines_collectives_with_overlap(overlap, microbatches):
-    """With overlap, the pipeliner; the loop's double buffering for one micro-batch only."""
+    """With overlap, the pipeliner (and, ZeRO-2 on the spec path, its reductions combined); the loop's
+    double buffering for one micro-batch only."""
     mesh = gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
     options = step_compiler_options(mesh, ZeroConfig(overlap_grad_reduce=overlap), microbatches)
     double = {"xla_gpu_enable_while_loop_double_buffering": microbatches == 1}
-    assert options == ({**PIPELINE, **double} if overlap else {})
+    assert options == ({**PIPELINE, **double, **COMBINE["reductions"]} if overlap else {})
+
+
+@needs_gpu_plugin
+@pytest.mark.parametrize("path", ["spec", "flat"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_the_spec_path_combines_a_layers_collectives(strategy, path):
+    """The spec path raises the combiner of the kind that queues: reductions under ZeRO-1/2, gathers under
+    ZeRO-3; DDP and the flat path (one bucket per unit) keep XLA's."""
+    mesh = gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
+    options = step_compiler_options(mesh, ZeroConfig(strategy=strategy, path=path), 1)
+    want = {} if path == "flat" or strategy == "no_shard" else COMBINE[
+        "gathers" if strategy == "optim_grads_params" else "reductions"]  # fmt: skip
+    assert options == {**PIPELINE, **want}
