@@ -15,8 +15,8 @@ every param is in the rest group: one layout over the whole model, as Megatron's
 
 Each group's buffer is Megatron's layout (`buffers.build_layout`) over its params' local element
 counts (params in `jax.tree.leaves` order), padded to `lcm(d, 128)` with d its own DP size and cut
-into buckets (`zero.bucket_size` applies within a group; unset: `default_bucket_size`, Megatron
-DDP's max(40M, 1M x the dense DP size) elements under ZeRO-3, one bucket per buffer below). A
+into buckets (`zero.bucket_size` applies within a group; unset: one bucket per buffer, so one per
+unit as Megatron-FSDP's: measured best on LLaMA-2-7B, docs/overlap.md, "Flat path per unit"). A
 scanned stack (unit_dims 1, `[L, ...]`) is one unit laid out per layer: its layout is over one
 layer's params, and its bucket arrays carry a leading [L] (the layer loop slices one layer's
 bucket). Rank r of a buffer's DP domain owns `[r*S_b/d, (r+1)*S_b/d)` of each of its buckets b, in
@@ -50,18 +50,6 @@ PyTree = Any
 MAX_BUCKET = 2**31 - 1  # positions inside a bucket are int32 (JAX's default integer)
 DENSE, EXPERT = "dense", "expert"
 REST = ""  # the group of the params in no FSDP unit
-
-
-def default_bucket_size(plan: ShardingPlan, per_unit: bool) -> int | None:
-    """The bucket size when the user sets none: under ZeRO-3, Megatron DDP's default with overlap
-    (`DistributedDataParallel.__init__`: max(40M, 1M x the dense DP size) elements, dense and expert
-    buffers alike); else None, one bucket per buffer (per unit: Megatron-FSDP's one bucket per unit).
-    Measured on LLaMA-2-7B, 8 x H100 (docs/overlap.md): ZeRO-3's re-gathers in the backward overlap
-    when a layer is 4 buckets (10% of the DP wire exposed, 27% as one), ZeRO-1/2's reductions when it
-    is one (4.9% exposed, 8.5% in 4)."""
-    if per_unit and plan.shards_params:
-        return max(40_000_000, 1_000_000 * axes_size(plan.mesh, DENSE_DP_AXES))
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +339,7 @@ def make_flat_plan(
 ) -> FlatPlan:
     """Megatron's layouts for the local params of `plan` (module docstring): per group (one per FSDP
     unit when `per_unit`, and the rest), a dense buffer and, for expert params, an expert buffer,
-    each padded for its own DP size. bucket_size None: `default_bucket_size`.
+    each padded for its own DP size. bucket_size None: one bucket per buffer.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
     a param split over mesh axes its buffer does not know (an expert param not split over ep,
@@ -367,7 +355,6 @@ def make_flat_plan(
     if odd:
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
     keys = group_keys(plan, per_unit)
-    bucket_size = default_bucket_size(plan, per_unit) if bucket_size is None else bucket_size
     groups = []
     for key in dict.fromkeys(keys):  # in the order of their first param
         members = [i for i, k in enumerate(keys) if k == key]

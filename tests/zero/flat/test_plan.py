@@ -16,7 +16,7 @@ from jzero.train.loop import setup
 from jzero.zero.common.strategies import make_plan
 from jzero.zero.config import ShardingStrategy
 from jzero.zero.flat.buffers import build_layout
-from jzero.zero.flat.plan import REST, default_bucket_size, make_flat_plan
+from jzero.zero.flat.plan import REST, make_flat_plan
 
 LEAVES = ["bias", "s", "v", "w"]  # jax's order of the model's dict
 SCAN = {"scan_layers": True, "remat": True}
@@ -49,11 +49,14 @@ def test_the_flat_path_needs_one_param_dtype():
         flat_plan(abstract=mixed)
 
 
-def test_the_default_bucket_size_is_megatrons_under_zero3_and_one_bucket_below():
-    for strategy, per_unit, want in [(ShardingStrategy.OPTIM_GRADS_PARAMS, True, 40_000_000),
-                                     (ShardingStrategy.OPTIM_GRADS, True, None), (ShardingStrategy.OPTIM, False, None)]:
-        plan = make_plan(pytree.mesh(4, 1), strategy, pytree.abstract(), pytree.NO_TP)
-        assert default_bucket_size(plan, per_unit) == want, strategy
+def test_without_a_bucket_size_each_buffer_is_one_bucket_under_zero3_per_unit_too():
+    """Megatron-FSDP's one bucket per unit: a scanned stack's buffer is one [L, S] bucket array."""
+    run = setup(flat_config("optim_grads_params", (4, 1, 2), model=SCAN), with_data=False)
+    fp = run.zero.flat
+    assert [g.key for g in fp.groups if g.layers is not None] and all(
+        buf.n_buckets == 1 for g in fp.groups for buf in g.buffers
+    )
+    assert len(fp.bucket_shapes()) == sum(len(g.buffers) for g in fp.groups)
 
 
 # ---------------------------------------------------------------- per FSDP unit
