@@ -206,6 +206,7 @@ class GroupHook:
 
     gather(value) -> full: the bucket as one array (or the params, when they rest whole);
     split(full) -> tuple: its params as the model computes with them, in the bucket's order;
+    join(params) -> full: `split`'s inverse (the bucket from its params, as `gather` gives it);
     reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (tuple, the bucket's order);
     extract / keep / reshard: as `Hook`'s (the gsink's cotangent is `full`).
     """
@@ -249,15 +250,17 @@ def _materialize_bucket(hook: GroupHook, value, sink: jax.Array, acc, gsink) -> 
 
 
 def _bucket_fwd(hook, value, sink, acc, gsink):
-    full = hook.gather(value)
-    return hook.split(full), (acc, full if hook.extract else None)
+    params = hook.split(hook.gather(value))
+    # Extracting, the residual is the params, not the bucket: the unit's recompute keeps the same
+    # params (`Hook.keep`), so the layer loop saves one copy of them instead of two.
+    return params, (acc, params if hook.extract else None)
 
 
 def _bucket_bwd(hook, residuals, g):
     """The bucket's params' grads -> the sink's cotangent (reduced, or this rank's own) and, when
-    extracting, the gathered bucket as the gsink's."""
-    acc, full = residuals
-    return None, hook.reduce_grads(tuple(g), acc), None, full
+    extracting, the gathered bucket (its params laid back in) as the gsink's."""
+    acc, params = residuals
+    return None, hook.reduce_grads(tuple(g), acc), None, None if params is None else hook.join(params)
 
 
 _materialize_bucket.defvjp(_bucket_fwd, _bucket_bwd)

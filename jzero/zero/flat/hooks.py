@@ -108,6 +108,12 @@ class BucketHook(GroupHook):
                                                                                             self.dtypes)]  # fmt: skip
         return tuple(x if named else _tp_invariant(x) for x, named in zip(xs, self.tp_named))
 
+    def join(self, params: tuple):
+        """`split`'s inverse for a gathered bucket (SHARD): its params laid back in, zero in the gaps, typed
+        as `gather` types the bucket (varying over every axis)."""
+        tp = [() if named else (TP_AXIS,) for named in self.tp_named]
+        return bucket_of(self.buf, self.b, [_varying(x, axes) for x, axes in zip(params, tp)], params[0].dtype)
+
     def reduce_grads(self, grads: tuple, acc):
         # A grad varies as its param: over DP, and over tp where tp splits it; laid into the bucket
         # (whose rows are per tp rank) every one varies over tp.
