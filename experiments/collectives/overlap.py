@@ -1,6 +1,6 @@
 """How much DP communication does each ZeRO stage leave exposed, with Megatron's overlap off and on?
 
-    python experiments/collectives/overlap.py [--paths spec,flat] [--setups 7b-m1,7b-m8,70b]
+    python experiments/collectives/overlap.py [--paths spec,flat] [--setups 7b-m1,7b-m8,70b,70b-m8]
 
 Compiles (runs nothing) the train step of every strategy, deviceless for H100 pods, once with
 `zero.overlap_grad_reduce: false` (the step as before overlap: grads reduced after the whole
@@ -11,10 +11,10 @@ inside the backward, params gathered inside the next forward), and reads from ea
 (`jzero/inspect/timing.py`), the compiled temp peak, the device's peak (arguments + outputs -
 aliased + temp, as `jzero memory` reads it: with `overlap_param_gather` the params rest sharded, so
 what the arguments no longer hold, the gathered params, is temp) and the compile time. Setups: LLaMA-2-7B on
-8 H100s (one host) at 1 and 8 micro-batches, LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host).
+8 H100s (one host) and LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host), each at 1 and 8 micro-batches.
 Writes `overlap.json` (one `jzero hlo --json` document per setup, path and overlap) and
-`overlap.md` (the table of experiments/collectives/README.md). About 40 minutes on 2 CPU cores
-per path; needs `.[gpu-aot]`.
+`overlap.md` (the table of experiments/collectives/README.md). About 13 minutes on 2 CPU cores
+for both paths; needs `.[gpu-aot]`.
 """
 
 import argparse
@@ -41,9 +41,10 @@ SETUPS = {  # key: (label, config, overrides, topology)
     "7b-m1": ("LLaMA-2-7B, 8 H100, M=1", LLAMA7, [], "1 x 1 x 8"),
     "7b-m8": ("LLaMA-2-7B, 8 H100, M=8", LLAMA7, ["train.microbatches=8", "train.global_batch=64"], "1 x 1 x 8"),
     "70b": ("LLaMA-2-70B, 64 H100, M=1", LLAMA70, [], "8 x 1 x 8"),
+    "70b-m8": ("LLaMA-2-70B, 64 H100, M=8", LLAMA70, ["train.microbatches=8", "train.global_batch=64"], "8 x 1 x 8"),
     "tiny": ("tiny GPT, 8 H100, M=2", None, ["train.microbatches=2"], "1 x 1 x 8"),  # a quick try, not default
 }
-DEFAULT_SETUPS = "7b-m1,7b-m8,70b"
+DEFAULT_SETUPS = "7b-m1,7b-m8,70b,70b-m8"
 OFF = ["zero.overlap_grad_reduce=false"]
 
 

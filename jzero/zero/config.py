@@ -76,7 +76,7 @@ class ZeroConfig:
 
     strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS
     path: ZeroPath = ZeroPath.SPEC
-    bucket_size: int | None = None  # elements per flat bucket; None: flat/plan.default_bucket_size
+    bucket_size: int | None = None  # elements per flat bucket; None: one bucket per buffer (per unit)
     pad_for_high_nccl_busbw: bool = False  # pad buckets to lcm(dp, 128, 2**16)
     reshard_after_forward: bool = True  # ZeRO-3: gather each unit's params again for its backward (FSDP2's)
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD  # HSDP (mesh.dp_outer > 1)
