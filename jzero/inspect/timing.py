@@ -4,9 +4,12 @@ From the compiled step's schedule (`overlap.read_schedule`) and the pod's links:
 collective's ring wire bytes per device (docs/megatron.md, "Bytes on the wire") over the bandwidth
 of the slowest link its replica group crosses: NVLink when every member sits on one host, the
 network when they span hosts (a ring that leaves the host is as fast as its network hop). The
-exposed part (collectives with no dot or convolution in their window, `overlap.Overlap.exposed`)
-is what the step waits for; beside it, the step's dot/conv flops at the card's peak are a lower
-bound on its compute. So a user reads "exposed comm ~ X ms against >= Y ms of compute per step".
+exposed part is what the step waits for: per collective, its time beyond the compute in its window
+(the window's dot/conv flops at the card's peak), so all of it for a collective with none
+(`overlap.Overlap.exposed`) and the excess where a slow link outlasts the matmuls beside it (a
+communication-bound step). Two collectives in flight together share one window's compute, so
+there it is low. Beside it, the step's dot/conv flops at the card's peak are a lower bound on its
+compute. So a user reads "exposed comm ~ X ms against >= Y ms of compute per step".
 
 Link figures per target (`LINKS`), per GPU and direction, from the vendors' specifications of
 the usual systems; `jzero hlo --nvlink-gbs/--network-gbs/--peak-tflops` overrides them:
@@ -52,8 +55,8 @@ LINKS = {
 class Timing:
     """Seconds per step of one compiled step on a pod.
 
-    exposed_s: the DP collectives with nothing (no dot) to hide behind; wire_s: all DP
-    collectives, overlapped or not; compute_s: the step's dot/conv flops at peak (a lower bound);
+    exposed_s: the DP collectives' time beyond the compute in their windows (module docstring);
+    wire_s: all DP collectives, overlapped or not; compute_s: the step's dot/conv flops at peak (a lower bound);
     network_share: the part of `wire_s` on inter-host links.
     """
 
@@ -90,10 +93,10 @@ def estimate(sch: Schedule, mesh: Mesh, links: Links) -> Timing:
         if not hlo.is_dp_traffic(o.collective.kind, axes):
             continue
         across = crosses_hosts(axes, mesh, hosts)
-        seconds = o.collective.wire_bytes * o.runs / (links.network if across else links.nvlink)
-        wire += seconds
-        network += seconds if across else 0.0
-        exposed += seconds if o.exposed else 0.0
+        per_run = o.collective.wire_bytes / (links.network if across else links.nvlink)
+        wire += per_run * o.runs
+        network += per_run * o.runs if across else 0.0
+        exposed += max(0.0, per_run - o.window_flops / links.peak_flops) * o.runs  # beyond its window's compute
     compute = sch.step_flops / links.peak_flops
     return Timing(exposed, wire, compute, network / wire if wire else 0.0)
 

@@ -1,5 +1,5 @@
-"""The time estimate of `jzero hlo` (jzero.inspect.timing): exposed DP collectives' wire bytes over
-the links their groups cross, beside the step's flops at peak. Programs compiled deviceless for
+"""The time estimate of `jzero hlo` (jzero.inspect.timing): DP collectives' wire bytes over the links
+their groups cross, less the compute in their windows, beside the step's flops at peak. Programs compiled deviceless for
 H100 hosts of 4 GPUs, so that a group along one mesh axis stays in a host and along the other
 spans two."""
 
@@ -38,6 +38,32 @@ def test_exposed_gather_costs_its_wire_bytes_over_the_link_it_crosses(across):
     assert t.exposed_s == pytest.approx(seconds) and t.wire_s == pytest.approx(seconds)
     assert t.network_share == (1.0 if across else 0.0)
     assert t.compute_s == pytest.approx(sch.step_flops / 1e15) and sch.step_flops == 2 * D**3
+
+
+def _gather_beside_a_matmul(mesh):
+    """All-gather x [D, D] over dp while an independent matmul y @ y runs; then a matmul reads it."""
+
+    def body(x, y, z):
+        return ((jax.lax.all_gather(x, "dp", axis=0, tiled=True) @ z).sum() + (y @ y).sum()).reshape(1, 1)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp", "tp")))
+    args = sds((D, D), mesh, P("dp")), sds((D, D), mesh, P()), sds((D, D), mesh, P())
+    return overlap.read_schedule(f.lower(*args).compile().as_text())
+
+
+@needs_gpu_plugin
+@pytest.mark.parametrize("gbs", [1e-3, 1e6])
+def test_an_overlapped_collective_is_exposed_only_beyond_its_windows_compute(gbs):
+    """On a slow enough link a gather outlasts the matmul beside it: the excess is exposed; on a fast
+    one, nothing."""
+    mesh = gpu_mesh("h100", "1 x 2 x 4", (4, 2), ("tp", "dp"))
+    sch = _gather_beside_a_matmul(mesh)
+    (ag,) = sch.overlaps
+    assert not ag.exposed and ag.window_flops == 2 * D**3
+    links = timing.Links(nvlink=gbs * 1e9, network=gbs * 1e9, peak_flops=1e15)
+    t = timing.estimate(sch, mesh, links)
+    assert t.exposed_s == pytest.approx(max(0.0, t.wire_s - ag.window_flops / 1e15))
+    assert (t.exposed_s > 0) == (gbs < 1)
 
 
 @needs_gpu_plugin
