@@ -73,13 +73,23 @@ def run_schedule(
 
 def _accumulate(run, phase, params, mbs, acc):
     """`phase` over the micro-batches `mbs` [k, ...] in a scan, its grads summed into `acc`: (acc, losses
-    [k, ...], metrics)."""
+    [k, ...], metrics).
 
-    def body(acc, mb):
-        loss, metrics, g, _ = run(phase, params, mb)
-        return jax.tree.map(jnp.add, acc, g), (loss, metrics)
+    A phase that gathers (ZeRO-3) carries the params through the scan behind an optimization barrier,
+    so that each micro-batch's gathers read what the one before handed on. XLA:GPU's collective
+    pipeliner would otherwise start a micro-batch's first gathers in the one before, which it does by
+    peeling a whole micro-batch out of the loop, and XLA then keeps that micro-batch's
+    zero-initialised grad stack live across the loop. Measured on LLaMA-2-7B's ZeRO-3 step at 8
+    micro-batches on 8 x H100 (docs/overlap.md): device peak 30.85 -> 23.40 GiB, against 23.63 GiB
+    with overlap off; the layer loops inside still prefetch their own gathers."""
 
-    acc, (losses, metrics) = jax.lax.scan(body, acc, mbs)
+    def body(carry, mb):
+        acc, p = carry
+        loss, metrics, g, _ = run(phase, params if p is None else p, mb)
+        p = None if p is None else jax.tree.map(jax.lax.optimization_barrier, p)
+        return (jax.tree.map(jnp.add, acc, g), p), (loss, metrics)
+
+    (acc, _), (losses, metrics) = jax.lax.scan(body, (acc, params if phase.gather else None), mbs)
     return acc, losses, metrics
 
 
