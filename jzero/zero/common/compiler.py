@@ -22,11 +22,11 @@ the flat path's one bucket per unit is, and the gathers under ZeRO-3 to 128 MiB,
 (LLaMA-2-7B on 8 x H100, exposed DP wire at one micro-batch: ZeRO-1/2 5.8% -> 3.7%, ZeRO-3 8.8% ->
 3.0%, at 8 micro-batches 3.7%; docs/overlap.md). ZeRO-3's gathers combined up to 256 MiB, 512 MiB
 and 1 GiB left 3.4%, 4.1% and 5.0% exposed at one micro-batch (4.0%, 4.4% and 5.3% at eight):
-a layer's first matmul waits for a larger gather. Combining the other kind too measured worse (ZeRO-3's
-reduce-scatters as well, at 1 GiB: 6.3%; ZeRO-1/2's gathers are the forward's, already overlapped:
-7.1%). ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute carries no
-optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its micro-batch loop is
-kept whole by one (`schedule._accumulate`).
+a layer's first matmul waits for a larger gather. Combining the other kind too measured worse
+(ZeRO-3's reduce-scatters as well, at 1 GiB: 6.3%; ZeRO-1/2's gathers are the forward's, already
+overlapped: 7.1%). ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute
+carries no optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its
+micro-batch loop is kept whole by one (`schedule._accumulate`).
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
