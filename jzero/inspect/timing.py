@@ -56,8 +56,8 @@ class Timing:
     """Seconds per step of one compiled step on a pod.
 
     exposed_s: the DP collectives' time beyond the compute in their windows (module docstring);
-    wire_s: all DP collectives, overlapped or not; compute_s: the step's dot/conv flops at peak (a lower bound);
-    network_share: the part of `wire_s` on inter-host links.
+    wire_s: all DP collectives, overlapped or not; compute_s: the step's dot/conv flops at peak (a
+    lower bound); network_share: the part of `wire_s` on inter-host links.
     """
 
     exposed_s: float

@@ -79,9 +79,9 @@ def _accumulate(run, phase, params, mbs, acc):
     so that each micro-batch's gathers read a value the micro-batch before produced and cannot start
     before it. XLA:GPU's collective pipeliner would otherwise start a micro-batch's first gathers in
     the one before, which it does by peeling a whole micro-batch out of the loop, and XLA then keeps
-    that micro-batch's zero-initialised grad stack live across the loop. Measured on LLaMA-2-7B's ZeRO-3 step at 8
-    micro-batches on 8 x H100 (docs/overlap.md): device peak 30.85 -> 23.40 GiB, against 23.63 GiB
-    with overlap off; the layer loops inside still prefetch their own gathers."""
+    that micro-batch's zero-initialised grad stack live across the loop. Measured on LLaMA-2-7B's
+    ZeRO-3 step at 8 micro-batches on 8 x H100 (docs/overlap.md): device peak 30.85 -> 23.40 GiB,
+    against 23.63 GiB with overlap off; the layer loops inside still prefetch their own gathers."""
 
     def body(carry, mb):
         acc, p = carry
