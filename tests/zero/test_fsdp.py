@@ -122,6 +122,46 @@ def test_user_model_units_match_plain_optax(reshard):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def init_shared(d=16):
+    keys = jax.random.split(jax.random.key(1), 2)
+    return {"proj": jax.random.normal(keys[0], (8, d)) * 0.3,
+            "block": {"w": jax.random.normal(keys[1], (d, d)) / math.sqrt(d), "b": jnp.full((d,), 0.01)}}  # fmt: skip
+
+
+def shared_loss(params, batch):
+    """One block run twice (its weights shared, as ALBERT's): two `unit` calls of one unit."""
+    x = batch[:, :8] @ params["proj"]
+    for _ in range(2):
+        x = unit(lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"]), params["block"], x)
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.slow
+def test_a_unit_run_twice_trains_like_plain_optax(path):
+    """Over 3 micro-batches ZeRO-1 adds the accumulated grads in its last micro-batch's backward and
+    hands the params its first one gathered on (`overlap_param_gather`): once per unit, not once per
+    call. Before, the block run twice took the accumulated grads twice and the params as 2 W."""
+    mesh = make_mesh(MeshConfig(dp=8))
+    abstract = jax.eval_shape(init_shared)
+    tx = optax.adam(1e-2)
+    zero, units = ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)), {"proj": None, "block": {"w": 0, "b": 0}}
+    tp_specs = jax.tree.map(lambda _: P(), abstract)
+    z = build_zero(shared_loss, tx, mesh, abstract, tp_specs, zero, units=units, microbatches=3)
+    state = z.init_state(init_shared)
+    params, opt = init_shared(), tx.init(init_shared())
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = rng.standard_normal((48, 9)).astype(np.float32)
+        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
+        loss, g = jax.value_and_grad(shared_loss)(params, batch)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(z.full_params(state.params)), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_unit_outside_a_zero_step_is_a_plain_call():
     params = init_stack()
     batch = jnp.ones((4, 9))

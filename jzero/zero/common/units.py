@@ -46,9 +46,11 @@ groups as it materializes its `UnitParam`s.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -309,6 +311,53 @@ def _hooks(params: PyTree) -> list:
     ]
 
 
+# The unit params the `unit` calls of one micro-batch's loss have materialized, by the id of their sink (kept,
+# so that no id is reused while the loss traces); None outside a step's loss (`one_loss`).
+_CALLED: contextvars.ContextVar[dict[int, jax.Array] | None] = contextvars.ContextVar("jzero_unit_calls", default=None)
+
+
+@contextlib.contextmanager
+def one_loss() -> Iterator[None]:
+    """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it): a unit
+    whose params reach `unit` again in it (a block run twice, its weights shared) adds the earlier
+    micro-batches' grads (`UnitParam.acc`) and hands its gathered params on (`gsink`) in its first
+    call only, so that what the step sums over the calls is the param's grad once and the param once."""
+    token = _CALLED.set({})
+    try:
+        yield
+    finally:
+        _CALLED.reset(token)
+
+
+def _again(x):
+    """A unit leaf that an earlier `unit` call of this loss materialized: without its carry and extraction."""
+    if isinstance(x, UnitParam):
+        return dataclasses.replace(x, acc=None, gsink=None, hook=dataclasses.replace(x.hook, extract=False))
+    buckets = tuple(
+        dataclasses.replace(b, acc=None, gsink=None, hook=dataclasses.replace(b.hook, extract=False))
+        for b in x.buckets
+    )
+    return dataclasses.replace(x, buckets=buckets)
+
+
+def _first_calls(params: PyTree) -> PyTree:
+    """`params` with the unit leaves that an earlier `unit` call of this loss materialized made `_again`."""
+    called = _CALLED.get()
+    if called is None:
+        return params
+
+    def one(x):
+        if not isinstance(x, (UnitParam, GroupParam)):
+            return x
+        sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
+        if id(sink) in called:
+            return _again(x)
+        called[id(sink)] = sink
+        return x
+
+    return jax.tree.map(one, params, is_leaf=is_unit_leaf)
+
+
 def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: bool = True, **kwargs):
     """`fn(params, *args, **kwargs)` as one FSDP unit (module docstring); `args` are arrays.
 
@@ -325,7 +374,11 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     the backward's gathers from XLA's collective pipeliner, so under ZeRO-3 a layer's re-gather could
     not start during the previous layer's backward (LLaMA-2-7B on 8 x H100: 10.2% of the DP wire
     exposed with it, 8.8% without, 3.0% with a layer's gathers combined too; docs/overlap.md). Keep
-    True for unrolled units: XLA could otherwise merge a recompute with the forward it repeats."""
+    True for unrolled units: XLA could otherwise merge a recompute with the forward it repeats.
+
+    A unit may run more than once per loss (shared weights): each call's backward reduces its part of
+    the grad, and only the first adds the accumulated micro-batches or hands the params on (`one_loss`)."""
+    params = _first_calls(params)
     hooks = _hooks(params)
 
     def run(params, *args):

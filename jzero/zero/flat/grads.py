@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam, scale_grad
+from jzero.zero.common.units import BucketParam, one_loss, scale_grad
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -90,7 +90,8 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
         extra = [None] * fp.n_buckets if gsinks is None else gsinks
         buckets = [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)]
         view = flat_view(fp, treedef, buckets)
-        return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
+        with one_loss():
+            return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     (_, (loss, metrics, stats)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)

@@ -43,7 +43,7 @@ from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, materialize, scale_grad
+from jzero.zero.common.units import Hook, UnitParam, materialize, one_loss, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -157,7 +157,8 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
 
         def loss_of(sinks, gsinks):
             wrapped = unit_view(params, sinks, hooks, plan, None if accs is None else _squeeze(accs), gsinks)
-            return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), model_state, **ep_kwargs(plan))
+            with one_loss():
+                return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), model_state, **ep_kwargs(plan))
 
         (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
         g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g) if local else g
