@@ -15,8 +15,9 @@ structure. The harness feeds token batches: `batch` is int32 `[B, seq_len + 1]` 
 inputs `batch[:, :-1]`, targets `batch[:, 1:]`), B the rows of one data-parallel rank in one
 micro-batch on either ZeRO path (each rank's loss is its own call).
 
-Beside the protocol's methods, the inspect tools ask a model for estimates that only it can give;
-each is optional, and the function of the same name here gives its default when a model lacks it:
+Beside the protocol's methods, the inspect tools ask a model for estimates that only it can give,
+and the step for its flat units' names; each is optional, and the function of the same name here
+gives its default when a model lacks it:
 
     token_exchange(tokens) -> TokenExchange | None   what expert parallelism moves (None: nothing)
     attention_elements(rows, tp) -> int | None       fewest elements of one attention-score buffer
@@ -28,6 +29,8 @@ each is optional, and the function of the same name here gives its default when 
     activation_bytes(rows, tp) -> int                fewest bytes of activations one device holds for
                                                      its backward (0: none counted; `jzero train`'s
                                                      memory pre-flight, jzero.train.preflight)
+    unit_key(path) -> str                            the flat path's name of a unit param's unit
+                                                     (None: `build_zero`'s default rule)
 
 A model may also keep non-trainable state beside its params (Megatron's buffers; jzero's GPT: each
 MoE block's expert bias), replicated, no grad, no optimizer state, saved in checkpoints. It then has
@@ -153,6 +156,13 @@ def remat(model: Model) -> bool:
     """`model.remat`: whether each unit's forward runs again for its backward (ZeRO-3 then gathers
     the unit's params again); False for a model without it."""
     return bool(getattr(model, "remat", False))
+
+
+def unit_key(model: Model):
+    """`model.unit_key`, the flat path's name of a unit param's unit from its key path (`build_zero`'s
+    `unit_key`), for a model whose blocks are not a list or stack of their own; None (the default
+    rule) for a model without it."""
+    return getattr(model, "unit_key", None)
 
 
 def model_state(model: Model):

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jzero.config import Config, resolve_mesh
 from jzero.mesh import make_mesh
-from jzero.model import Model, make_model, model_state, training_loss
+from jzero.model import Model, make_model, model_state, training_loss, unit_key
 from jzero.optim import inner_optimizer, loss_scaling, param_groups
 from jzero.zero import Zero, build_zero
 from jzero.zero.common.state import TrainState
@@ -98,6 +98,7 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
         cfg.zero,
         is_expert=model.is_expert(abstract),
         units=model.units(abstract),
+        unit_key=unit_key(model),
         groups=param_groups(cfg, model, abstract),
         clip_grad=cfg.optimizer.clip_grad,
         microbatches=cfg.train.microbatches,

@@ -188,6 +188,7 @@ def build_zero(
     *,
     is_expert: PyTree | None = None,
     units: PyTree | None = None,
+    unit_key: Callable[[tuple], str] | None = None,
     groups: PyTree | None = None,
     clip_grad: float | None = None,
     microbatches: int = 1,
@@ -218,10 +219,14 @@ def build_zero(
         loss must run each unit through `jzero.zero.unit` (`GPTModel.units` marks its
         blocks). Under ZeRO-2/3 (and DDP/ZeRO-1 with `overlap_grad_reduce`) a unit's grads are
         then reduced as soon as its backward is done, and ZeRO-3 gathers its params just
-        before it runs. The flat path lays out one set of buffers per unit, a unit being the
-        params that share their path up to its first integer key (`blocks/3`), or their first
-        key (`blocks`, a scanned stack): `flat/plan.unit_key`. Default: no units (ZeRO-3
-        gathers every param before the loss, ZeRO-2 reduces after backward).
+        before it runs. Default: no units (ZeRO-3 gathers every param before the loss, ZeRO-2
+        reduces after backward).
+      unit_key: the flat path's name of a unit param's unit, from its key path (as
+        `jax.tree_util.tree_flatten_with_path` gives it); it lays out one set of buffers per unit,
+        and a `unit` call must get all of a unit's params. Default `flat/plan.unit_key`: the path up
+        to its first integer key (`blocks/3`), or its first key (`blocks`, a scanned stack). Pass one
+        where the blocks are not a list or stack of their own (`{"enc": {"a": block, "b": block}}`,
+        params in a top-level tuple), e.g. `lambda path: jax.tree_util.keystr(path[:2])`.
       groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.
       clip_grad: global-norm clipping across shards (Megatron's), None = off.
       microbatches: gradient accumulation steps per `step`.
@@ -252,7 +257,9 @@ def build_zero(
     flat = None
     if zero.path == ZeroPath.FLAT:
         per_unit = zero.overlap_grad_reduce or plan.params_rest_sharded
-        flat = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, per_unit, plan.params_rest_sharded)
+        flat = make_flat_plan(
+            plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, per_unit, plan.params_rest_sharded, unit_key
+        )
         check_elementwise(inner, plan, groups)  # before any layout of its state: the error names the transformation
         flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
         offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)

@@ -162,6 +162,68 @@ def test_a_unit_run_twice_trains_like_plain_optax(path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_loss_reading_unit_params_outside_unit_is_refused(path):
+    """An L2 penalty over all params in the loss would read the unit params as a `UnitParam` holds them
+    (this rank's shard, the zero sinks) and miss their grads: refused at trace time, naming the param.
+    Before, it trained silently wrong (the spec path) or failed inside shard_map (the flat path)."""
+
+    def penalized(params, batch):
+        return stack_loss(params, batch) + 1e-2 * sum(jnp.sum(p * p) for p in jax.tree.leaves(params))
+
+    abstract = jax.eval_shape(init_stack)
+    mesh, tp_specs = make_mesh(MeshConfig(dp=8)), jax.tree.map(lambda _: P(), abstract)
+    zero, units = ZeroConfig(ShardingStrategy.OPTIM_GRADS, ZeroPath(path)), {"proj": None, "layers": {"w": 1, "b": 1}}
+    z = build_zero(penalized, optax.adam(1e-2), mesh, abstract, tp_specs, zero, units=units)
+    batch = jax.device_put(np.ones((16, 9), np.float32), z.batch_sharding)
+    with pytest.raises(ValueError, match="the loss reads unit param 'layers/b' outside `unit`"):
+        z.step(z.init_state(init_stack), batch)
+
+
+def init_named(d=16):
+    keys = jax.random.split(jax.random.key(2), 3)
+    blocks = {n: {"w": jax.random.normal(k, (d, d)) / math.sqrt(d), "b": jnp.zeros((d,))} for n, k in zip("ab", keys)}
+    return {"proj": jax.random.normal(keys[2], (8, d)) * 0.3, "enc": blocks}
+
+
+def named_loss(params, batch):
+    """Blocks under string keys, each its own unit call: no integer key names them apart."""
+    x = batch[:, :8] @ params["proj"]
+    for n in "ab":
+        x = unit(lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"]), params["enc"][n], x)
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+@pytest.mark.slow
+def test_unit_key_names_the_flat_paths_units():
+    """The flat path lays out buffers per unit, named from the param's path (`flat/plan.unit_key`: up to
+    its first integer key, else its first key: `enc` for both blocks here). A unit call that gets part of
+    such a unit is refused, naming `unit_key`; with `unit_key` naming each block the step trains like
+    plain optax."""
+    mesh, abstract = make_mesh(MeshConfig(dp=8)), jax.eval_shape(init_named)
+    tx, tp_specs = optax.adam(1e-2), jax.tree.map(lambda _: P(), abstract)
+    zero = ZeroConfig(ShardingStrategy.OPTIM_GRADS, ZeroPath.FLAT)
+    units = {"proj": None, "enc": {n: {"w": 0, "b": 0} for n in "ab"}}
+    rng = np.random.default_rng(0)
+    batches = [jax.device_put(rng.standard_normal((16, 9)).astype(np.float32)) for _ in range(2)]
+    z = build_zero(named_loss, tx, mesh, abstract, tp_specs, zero, units=units)
+    with pytest.raises(ValueError, match="got part of the params of unit 'enc'.*unit_key"):
+        z.step(z.init_state(init_named), jax.device_put(batches[0], z.batch_sharding))
+    key = lambda path: jax.tree_util.keystr(path[:2])  # noqa: E731
+    z = build_zero(named_loss, tx, mesh, abstract, tp_specs, zero, units=units, unit_key=key)
+    assert [g.key for g in z.flat.groups] == ["['enc']['a']", "['enc']['b']", ""]  # "": the params in no unit
+    state = z.init_state(init_named)
+    params, opt = init_named(), tx.init(init_named())
+    for batch in batches:
+        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
+        loss, g = jax.value_and_grad(named_loss)(params, batch)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(z.full_params(state.params)), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_unit_outside_a_zero_step_is_a_plain_call():
     params = init_stack()
     batch = jnp.ones((4, 9))

@@ -268,15 +268,64 @@ def _bucket_bwd(hook, residuals, g):
 _materialize_bucket.defvjp(_bucket_fwd, _bucket_bwd)
 
 
+# True while `check_reads` traces the loss: materializing gives zeros that do not depend on the unit's arrays.
+_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("jzero_unit_probe", default=False)
+
+
 def _group_arrays(g: GroupParam) -> list[jax.Array]:
     """A `GroupParam`'s params (the group's order), each bucket materialized by its hook."""
-    out = [_materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink) for b in g.buckets]
+    if _PROBE.get():
+        out = [tuple(map(jnp.zeros_like, b.hook.split(b.hook.gather(b.value)))) for b in g.buckets]
+    else:
+        out = [_materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink) for b in g.buckets]
     return [out[b][pos] for b, pos in g.members]
 
 
 def materialize(x):
     """A `UnitParam`'s whole param, as the model computes with it (other leaves unchanged)."""
-    return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink) if isinstance(x, UnitParam) else x
+    if not isinstance(x, UnitParam):
+        return x
+    if _PROBE.get():
+        return jnp.zeros_like(_gathered(x.hook, x.value))
+    return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink)
+
+
+def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
+    """Refuses `loss(view)` if it reads a unit's params other than through `unit` (an L2 penalty over
+    all params, say): there the loss sees what a `UnitParam` holds (this rank's shard where they rest
+    sharded, and the zero sinks), and the grads would miss that use. `view`: the params as the step's
+    loss takes them. Traces the loss once more, with every unit's params materialized as zeros that do
+    not depend on them, and asks jax's dead-code elimination which of the view's arrays the result
+    still needs; a ValueError names the first unit param it needs. Nothing to check without units."""
+    from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
+
+    tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
+    owners = []  # per array of the view: the unit param holding it, or None
+    for path, x in tops:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        owners += [name if isinstance(x, (UnitParam, GroupParam)) else None] * len(jax.tree.leaves(x))
+    if not any(owners):
+        return
+    arrays, treedef = jax.tree.flatten(view)
+
+    def probe(arrays):
+        token = _PROBE.set(True)
+        try:
+            with one_loss():
+                return loss(treedef.unflatten(arrays))
+        finally:
+            _PROBE.reset(token)
+
+    jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
+    _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
+    read = [name for name, use in zip(owners, used) if name and use]
+    if read:
+        raise ValueError(
+            f"jzero.zero.unit: the loss reads unit param {read[0]!r} outside `unit` (a penalty over all "
+            "params, say); in a ZeRO step a unit's params exist only inside its unit call (outside it they "
+            "are this rank's shard): compute with them in the unit's fn, or put the term in the optax chain "
+            "(weight decay: optax.add_decayed_weights)"
+        )
 
 
 def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: True) -> PyTree:
@@ -292,8 +341,9 @@ def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: Tr
             return materialize(x) if which(x.hook) else x
         if isinstance(x, (GroupParam, GroupRef)) and x.key not in known:
             raise ValueError(
-                f"jzero.zero.unit: got part of the params of unit {x.key!r} (the flat path groups a unit's params by "
-                "`flat/plan.unit_key`: their path up to its first integer key); pass all of them to one unit call"
+                f"jzero.zero.unit: got part of the params of unit {x.key!r} (the flat path names a unit param's unit "
+                "by build_zero's unit_key, by default its path up to its first integer key, else its first key); "
+                "pass all of the unit's params to one unit call, or a unit_key that names each unit call's params"
             )
         if isinstance(x, GroupParam):
             return groups[x.key][0] if x.key in groups else x

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam, one_loss, scale_grad
+from jzero.zero.common.units import BucketParam, check_reads, one_loss, scale_grad
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -86,15 +86,21 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
     accs = acc if phase.acc else [None] * fp.n_buckets
     treedef = jax.tree.structure(fp.plan.tensors)
 
-    def loss_of(sinks, gsinks):
+    def view(sinks, gsinks):
         extra = [None] * fp.n_buckets if gsinks is None else gsinks
-        buckets = [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)]
-        view = flat_view(fp, treedef, buckets)
-        with one_loss():
-            return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
+        return flat_view(fp, treedef, [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)])
 
+    def loss_at(view):
+        return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
+
+    def loss_of(sinks, gsinks):
+        with one_loss():
+            return loss_at(view(sinks, gsinks))
+
+    zeros = sinks(prog, phase.reduce)
+    check_reads(loss_at, view(zeros, gsinks))
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
-    (_, (loss, metrics, stats)), (g, full) = grad(sinks(prog, phase.reduce), gsinks)
+    (_, (loss, metrics, stats)), (g, full) = grad(zeros, gsinks)
     if not phase.reduce:  # this rank's own buckets, unscaled: scaled as they enter the accumulator
         g = [scale_grad(x, _grad_scale(prog), prog.options.grad_reduce_dtype) for x in g]
     return loss, (metrics, stats), g, full

@@ -35,6 +35,7 @@ Global arrays (S_b = padded size of bucket b):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -278,10 +279,12 @@ def unit_key(path: tuple) -> str:
     return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
 
 
-def group_keys(plan: ShardingPlan, per_unit: bool) -> list[str]:
-    """Per param (leaves order), its group: `unit_key` of a unit param when `per_unit`, else `REST`."""
+def group_keys(plan: ShardingPlan, per_unit: bool, key_of: Callable[[tuple], str] | None = None) -> list[str]:
+    """Per param (leaves order), its group: `key_of(path)` (default `unit_key`) of a unit param when
+    `per_unit`, else `REST`."""
+    key_of = unit_key if key_of is None else key_of
     leaves = jax.tree_util.tree_flatten_with_path(plan.tensors)[0]
-    return [unit_key(path) if per_unit and t.unit_dims is not None else REST for path, t in leaves]
+    return [str(key_of(path)) if per_unit and t.unit_dims is not None else REST for path, t in leaves]
 
 
 def _check_buffer_member(kind: str, model_axes: tuple[str, ...], t: TensorPlan) -> None:
@@ -336,10 +339,12 @@ def make_flat_plan(
     pad_for_high_nccl_busbw: bool,
     per_unit: bool = False,
     params_rest_sharded: bool = False,
+    unit_key: Callable[[tuple], str] | None = None,
 ) -> FlatPlan:
     """Megatron's layouts for the local params of `plan` (module docstring): per group (one per FSDP
-    unit when `per_unit`, and the rest), a dense buffer and, for expert params, an expert buffer,
-    each padded for its own DP size. bucket_size None: one bucket per buffer.
+    unit when `per_unit`, a unit param's named by `unit_key(path)`, default the module's `unit_key`,
+    and the rest), a dense buffer and, for expert params, an expert buffer, each padded for its own DP
+    size. bucket_size None: one bucket per buffer.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
     a param split over mesh axes its buffer does not know (an expert param not split over ep,
@@ -354,7 +359,7 @@ def make_flat_plan(
     odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
     if odd:
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
-    keys = group_keys(plan, per_unit)
+    keys = group_keys(plan, per_unit, unit_key)
     groups = []
     for key in dict.fromkeys(keys):  # in the order of their first param
         members = [i for i, k in enumerate(keys) if k == key]

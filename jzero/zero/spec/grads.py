@@ -43,7 +43,7 @@ from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, materialize, one_loss, scale_grad
+from jzero.zero.common.units import Hook, UnitParam, check_reads, materialize, one_loss, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -155,11 +155,17 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
         params = _squeeze(params) if phase.stacked else params
         gsinks = None if gsinks is None else _squeeze(gsinks)
 
-        def loss_of(sinks, gsinks):
-            wrapped = unit_view(params, sinks, hooks, plan, None if accs is None else _squeeze(accs), gsinks)
-            with one_loss():
-                return scaled_loss(loss_metrics, loss_scale)(wrapped, _squeeze(mb), model_state, **ep_kwargs(plan))
+        def view(sinks, gsinks):
+            return unit_view(params, sinks, hooks, plan, None if accs is None else _squeeze(accs), gsinks)
 
+        def loss_at(view):
+            return scaled_loss(loss_metrics, loss_scale)(view, _squeeze(mb), model_state, **ep_kwargs(plan))
+
+        def loss_of(sinks, gsinks):
+            with one_loss():
+                return loss_at(view(sinks, gsinks))
+
+        check_reads(loss_at, view(sinks, gsinks))
         (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
         g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g) if local else g
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
