@@ -54,6 +54,18 @@ def test_jzero_train_trains_the_toy_model(tmp_path, capsys):
     assert "per-device memory" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("path", ["spec", "flat"])
+@pytest.mark.slow
+def test_a_loss_reading_unit_params_outside_unit_is_one_line(path, tmp_path, capsys):
+    """`jzero train` on a model whose loss adds a penalty over all params, its MLP a unit: exit 2, one line
+    naming the param (`units.check_reads`), before any step."""
+    over = ["model.impl=helpers.penalized_model:PenalizedToyModel", *TOY[1:], "train.steps=1", f"zero.path={path}"]
+    assert main(["train", "--out", str(tmp_path), "--quiet", *sets(over)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the loss reads unit param 'fc1' outside `unit`" in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_jzero_hlo_and_memory_report_the_toy_model(tmp_path, capsys):
     """No units (P_unit 0, ZeRO-3 gathers every param up front), no experts, no tokens' exchange,
     no attention buffers; DDP's all-reduce is the theory's."""

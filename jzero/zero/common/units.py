@@ -56,6 +56,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jzero.errors import ConfigError
+
 PyTree = Any
 # reshard_after_forward: backward keeps the unit's matmul outputs and recomputes the rest from them,
 # so no value computed from the gathered params (the params, or their reshapes that a matmul keeps
@@ -296,7 +298,8 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     sharded, and the zero sinks), and the grads would miss that use. `view`: the params as the step's
     loss takes them. Traces the loss once more, with every unit's params materialized as zeros that do
     not depend on them, and asks jax's dead-code elimination which of the view's arrays the result
-    still needs; a ValueError names the first unit param it needs. Nothing to check without units."""
+    still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the first unit
+    param it needs. Nothing to check without units."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
@@ -320,7 +323,7 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
     read = [name for name, use in zip(owners, used) if name and use]
     if read:
-        raise ValueError(
+        raise ConfigError(
             f"jzero.zero.unit: the loss reads unit param {read[0]!r} outside `unit` (a penalty over all "
             "params, say); in a ZeRO step a unit's params exist only inside its unit call (outside it they "
             "are this rank's shard): compute with them in the unit's fn, or put the term in the optax chain "
@@ -340,7 +343,7 @@ def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: Tr
         if isinstance(x, UnitParam):
             return materialize(x) if which(x.hook) else x
         if isinstance(x, (GroupParam, GroupRef)) and x.key not in known:
-            raise ValueError(
+            raise ConfigError(
                 f"jzero.zero.unit: got part of the params of unit {x.key!r} (the flat path names a unit param's unit "
                 "by build_zero's unit_key, by default its path up to its first integer key, else its first key); "
                 "pass all of the unit's params to one unit call, or a unit_key that names each unit call's params"
