@@ -165,10 +165,15 @@ def test_a_coordinator_port_in_use_is_reported_at_once(tmp_path):
 
 
 def _wait_for_steps(out: Path, steps: int, procs: list[subprocess.Popen]) -> None:
+    """Until `out` holds `steps` steps' metrics; if none come within the bound, or a process ends, the
+    processes are killed (a failed test leaves nothing running: a stuck pair once outlived its test)."""
     t0 = time.monotonic()
     metrics = out / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert time.monotonic() - t0 < 2 * STARTUP_S and all(p.poll() is None for p in procs), "no steps"
+        if time.monotonic() - t0 > 2 * STARTUP_S or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"no {steps} steps: " + "; ".join(f"exit {p.wait()}" for p in procs))
         time.sleep(0.1)
 
 

@@ -93,6 +93,24 @@ def stack_loss(params, batch):  # batch [B, 9]: 8 features + target
     return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
 
 
+def trains_like_plain_optax(z, loss_fn, init, tx, steps, rows, clip=None) -> None:
+    """`steps` steps of the `build_zero` run `z` (`init` its params, `tx` its chain) on random [rows, 9]
+    batches: each loss, and then the params, are plain single-device optax's."""
+    state = z.init_state(init)
+    params, opt = init(), tx.init(init())
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = rng.standard_normal((rows, 9)).astype(np.float32)
+        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
+        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        g = g if clip is None else clip_by_global_norm(g, clip)[0]
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(z.full_params(state.params)), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.slow
 def test_user_model_units_match_plain_optax(reshard):
@@ -107,19 +125,7 @@ def test_user_model_units_match_plain_optax(reshard):
     z = build_zero(stack_loss, tx, mesh, abstract, tp_specs, zero, units=units, clip_grad=1.0, microbatches=2)
     assert z.plan.tensors["layers"]["w"].shard_dim != 0  # never the stacked-layer dim
     assert z.shardings.params["layers"]["w"].spec == P(None, ("dp_outer", "dp", "ep"), None)
-    state = z.init_state(init_stack)
-    params, opt = init_stack(), tx.init(init_stack())
-    rng = np.random.default_rng(0)
-    for _ in range(4):
-        batch = rng.standard_normal((32, 9)).astype(np.float32)
-        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
-        loss, g = jax.value_and_grad(stack_loss)(params, batch)
-        g, _ = clip_by_global_norm(g, 1.0)
-        u, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, u)
-        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    trains_like_plain_optax(z, stack_loss, init_stack, tx, steps=4, rows=32, clip=1.0)
 
 
 def init_shared(d=16):
@@ -148,18 +154,7 @@ def test_a_unit_run_twice_trains_like_plain_optax(path):
     zero, units = ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)), {"proj": None, "block": {"w": 0, "b": 0}}
     tp_specs = jax.tree.map(lambda _: P(), abstract)
     z = build_zero(shared_loss, tx, mesh, abstract, tp_specs, zero, units=units, microbatches=3)
-    state = z.init_state(init_shared)
-    params, opt = init_shared(), tx.init(init_shared())
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-        batch = rng.standard_normal((48, 9)).astype(np.float32)
-        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
-        loss, g = jax.value_and_grad(shared_loss)(params, batch)
-        u, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, u)
-        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(z.full_params(state.params)), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    trains_like_plain_optax(z, shared_loss, init_shared, tx, steps=3, rows=48)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -204,24 +199,13 @@ def test_unit_key_names_the_flat_paths_units():
     tx, tp_specs = optax.adam(1e-2), jax.tree.map(lambda _: P(), abstract)
     zero = ZeroConfig(ShardingStrategy.OPTIM_GRADS, ZeroPath.FLAT)
     units = {"proj": None, "enc": {n: {"w": 0, "b": 0} for n in "ab"}}
-    rng = np.random.default_rng(0)
-    batches = [jax.device_put(rng.standard_normal((16, 9)).astype(np.float32)) for _ in range(2)]
     z = build_zero(named_loss, tx, mesh, abstract, tp_specs, zero, units=units)
     with pytest.raises(ValueError, match="got part of the params of unit 'enc'.*unit_key"):
-        z.step(z.init_state(init_named), jax.device_put(batches[0], z.batch_sharding))
+        z.step(z.init_state(init_named), jax.device_put(np.ones((16, 9), np.float32), z.batch_sharding))
     key = lambda path: jax.tree_util.keystr(path[:2])  # noqa: E731
     z = build_zero(named_loss, tx, mesh, abstract, tp_specs, zero, units=units, unit_key=key)
     assert [g.key for g in z.flat.groups] == ["['enc']['a']", "['enc']['b']", ""]  # "": the params in no unit
-    state = z.init_state(init_named)
-    params, opt = init_named(), tx.init(init_named())
-    for batch in batches:
-        state, m = z.step(state, jax.device_put(batch, z.batch_sharding))
-        loss, g = jax.value_and_grad(named_loss)(params, batch)
-        u, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, u)
-        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(z.full_params(state.params)), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    trains_like_plain_optax(z, named_loss, init_named, tx, steps=2, rows=16)
 
 
 def test_unit_outside_a_zero_step_is_a_plain_call():
