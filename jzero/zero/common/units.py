@@ -55,6 +55,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import get_opaque_trace_state
 
 from jzero.errors import ConfigError
 
@@ -93,6 +94,8 @@ class Hook:
       extract: the gsink's cotangent is the gathered param (module docstring).
       keep: the gathered param is kept for the backward even when the unit recomputes its forward
         (`unit(..., remat=True)`): ZeRO-1/2's overlap_param_gather, which gathers once per step.
+      probe: materializing gives zeros that do not read the param (`check_reads`' trace). Static, so
+        no jaxpr jax caches for a traced function (a scan body, a jit) is shared with the real step's.
     """
 
     dim: int | None
@@ -108,6 +111,7 @@ class Hook:
     reduce: bool = True
     extract: bool = False
     keep: bool = False
+    probe: bool = False
 
 
 def _tp_local(f: Callable[[jax.Array], jax.Array], x: jax.Array, hook: Hook) -> jax.Array:
@@ -212,12 +216,13 @@ class GroupHook:
     split(full) -> tuple: its params as the model computes with them, in the bucket's order;
     join(params) -> full: `split`'s inverse (the bucket from its params, as `gather` gives it);
     reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (tuple, the bucket's order);
-    extract / keep / reshard: as `Hook`'s (the gsink's cotangent is `full`).
+    extract / keep / reshard / probe: as `Hook`'s (the gsink's cotangent is `full`).
     """
 
     extract: bool = False
     keep: bool = False
     reshard: bool = False
+    probe: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -270,16 +275,15 @@ def _bucket_bwd(hook, residuals, g):
 _materialize_bucket.defvjp(_bucket_fwd, _bucket_bwd)
 
 
-# True while `check_reads` traces the loss: materializing gives zeros that do not depend on the unit's arrays.
-_PROBE: contextvars.ContextVar[bool] = contextvars.ContextVar("jzero_unit_probe", default=False)
+def _bucket_params(b: BucketParam) -> tuple:
+    if b.hook.probe:
+        return tuple(map(jnp.zeros_like, b.hook.split(b.hook.gather(b.value))))
+    return _materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink)
 
 
 def _group_arrays(g: GroupParam) -> list[jax.Array]:
     """A `GroupParam`'s params (the group's order), each bucket materialized by its hook."""
-    if _PROBE.get():
-        out = [tuple(map(jnp.zeros_like, b.hook.split(b.hook.gather(b.value)))) for b in g.buckets]
-    else:
-        out = [_materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink) for b in g.buckets]
+    out = [_bucket_params(b) for b in g.buckets]
     return [out[b][pos] for b, pos in g.members]
 
 
@@ -287,9 +291,19 @@ def materialize(x):
     """A `UnitParam`'s whole param, as the model computes with it (other leaves unchanged)."""
     if not isinstance(x, UnitParam):
         return x
-    if _PROBE.get():
+    if x.hook.probe:
         return jnp.zeros_like(_gathered(x.hook, x.value))
     return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink)
+
+
+def _probing(x):
+    """A unit leaf whose hooks materialize zeros (`Hook.probe`); other leaves unchanged."""
+    if isinstance(x, UnitParam):
+        return dataclasses.replace(x, hook=dataclasses.replace(x.hook, probe=True))
+    if isinstance(x, GroupParam):
+        buckets = tuple(dataclasses.replace(b, hook=dataclasses.replace(b.hook, probe=True)) for b in x.buckets)
+        return dataclasses.replace(x, buckets=buckets)
+    return x
 
 
 def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
@@ -297,9 +311,11 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     all params, say): there the loss sees what a `UnitParam` holds (this rank's shard where they rest
     sharded, and the zero sinks), and the grads would miss that use. `view`: the params as the step's
     loss takes them. Traces the loss once more, with every unit's params materialized as zeros that do
-    not depend on them, and asks jax's dead-code elimination which of the view's arrays the result
-    still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the first unit
-    param it needs. Nothing to check without units."""
+    not depend on them (`Hook.probe`), and asks jax's dead-code elimination which of the view's arrays
+    the result still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the
+    first unit param it needs. Nothing to check without units. A primitive whose dead-code elimination
+    keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
+    counts as a read."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
@@ -309,15 +325,11 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
         owners += [name if isinstance(x, (UnitParam, GroupParam)) else None] * len(jax.tree.leaves(x))
     if not any(owners):
         return
-    arrays, treedef = jax.tree.flatten(view)
+    arrays, treedef = jax.tree.flatten(jax.tree.map(_probing, view, is_leaf=is_unit_leaf))
 
     def probe(arrays):
-        token = _PROBE.set(True)
-        try:
-            with one_loss():
-                return loss(treedef.unflatten(arrays))
-        finally:
-            _PROBE.reset(token)
+        with one_loss():
+            return loss(treedef.unflatten(arrays))
 
     jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
@@ -364,17 +376,22 @@ def _hooks(params: PyTree) -> list:
     ]
 
 
-# The unit params the `unit` calls of one micro-batch's loss have materialized, by the id of their sink (kept,
-# so that no id is reused while the loss traces); None outside a step's loss (`one_loss`).
-_CALLED: contextvars.ContextVar[dict[int, jax.Array] | None] = contextvars.ContextVar("jzero_unit_calls", default=None)
+# The unit params the `unit` calls of one micro-batch's loss have materialized: by the id of their sink, the sink
+# (kept, so that no id is reused while the loss traces) and the traces it was materialized in. None outside a
+# step's loss (`one_loss`).
+_CALLED: contextvars.ContextVar[dict[int, tuple[jax.Array, list]] | None] = contextvars.ContextVar(
+    "jzero_unit_calls", default=None
+)
 
 
 @contextlib.contextmanager
 def one_loss() -> Iterator[None]:
     """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it): a unit
-    whose params reach `unit` again in it (a block run twice, its weights shared) adds the earlier
-    micro-batches' grads (`UnitParam.acc`) and hands its gathered params on (`gsink`) in its first
-    call only, so that what the step sums over the calls is the param's grad once and the param once."""
+    whose params reach `unit` again in the same trace (a block run twice by the loss, or by one scan
+    body: its weights shared) adds the earlier micro-batches' grads (`UnitParam.acc`) and hands its
+    gathered params on (`gsink`) in its first call only, so that what the step sums over the calls is
+    the param's grad once and the param once. Calls in different traces (the two branches of a `cond`,
+    a body jax traces twice) each keep theirs: one of them runs."""
     token = _CALLED.set({})
     try:
         yield
@@ -394,18 +411,22 @@ def _again(x):
 
 
 def _first_calls(params: PyTree) -> PyTree:
-    """`params` with the unit leaves that an earlier `unit` call of this loss materialized made `_again`."""
+    """`params` with the unit leaves that an earlier `unit` call of this loss materialized in the current
+    trace made `_again`."""
     called = _CALLED.get()
     if called is None:
         return params
+
+    here = get_opaque_trace_state()
 
     def one(x):
         if not isinstance(x, (UnitParam, GroupParam)):
             return x
         sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
-        if id(sink) in called:
+        traces = called.setdefault(id(sink), (sink, []))[1]
+        if any(here == t for t in traces):
             return _again(x)
-        called[id(sink)] = sink
+        traces.append(here)
         return x
 
     return jax.tree.map(one, params, is_leaf=is_unit_leaf)

@@ -72,7 +72,7 @@ class BucketHook(GroupHook):
     one-layer local shapes and dtypes, in the bucket's order. tp_named: per param, whether its tp
     spec names tp (it stays tp-varying). dp_axes: per param, its DP domain (a PARAMS value enters
     invariant over it). scale: 1 / (dense DP size x micro-batches). reduce: reduce over DP; False: the
-    sink gets this rank's own grads. extract, keep, reshard: `units.Hook`'s.
+    sink gets this rank's own grads. extract, keep, reshard, probe: `units.Hook`'s.
     """
 
     buf: FlatBuffer
@@ -88,6 +88,7 @@ class BucketHook(GroupHook):
     extract: bool = False
     keep: bool = False
     reshard: bool = False
+    probe: bool = False
 
     def gather(self, value):
         if self.mode == PARAMS:

@@ -284,7 +284,11 @@ def group_keys(plan: ShardingPlan, per_unit: bool, key_of: Callable[[tuple], str
     `per_unit`, else `REST`."""
     key_of = unit_key if key_of is None else key_of
     leaves = jax.tree_util.tree_flatten_with_path(plan.tensors)[0]
-    return [str(key_of(path)) if per_unit and t.unit_dims is not None else REST for path, t in leaves]
+    keys = [str(key_of(path)) if per_unit and t.unit_dims is not None else REST for path, t in leaves]
+    empty = [t.name for (_, t), k in zip(leaves, keys) if k == REST and t.unit_dims is not None and per_unit]
+    if empty:
+        raise ConfigError(f"unit_key named no unit (an empty name) for unit param {empty[0]}; name every unit")
+    return keys
 
 
 def _check_buffer_member(kind: str, model_axes: tuple[str, ...], t: TensorPlan) -> None:
