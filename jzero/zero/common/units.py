@@ -296,12 +296,13 @@ def materialize(x):
     return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink)
 
 
-def _probing(x):
-    """A unit leaf whose hooks materialize zeros (`Hook.probe`); other leaves unchanged."""
+def _replaced(x, hook: dict, **fields):
+    """The unit leaf `x` (a `UnitParam`, or each bucket of a `GroupParam`) with `fields` and its hooks' `hook`
+    fields replaced; other leaves unchanged."""
     if isinstance(x, UnitParam):
-        return dataclasses.replace(x, hook=dataclasses.replace(x.hook, probe=True))
+        return dataclasses.replace(x, hook=dataclasses.replace(x.hook, **hook), **fields)
     if isinstance(x, GroupParam):
-        buckets = tuple(dataclasses.replace(b, hook=dataclasses.replace(b.hook, probe=True)) for b in x.buckets)
+        buckets = tuple(dataclasses.replace(b, hook=dataclasses.replace(b.hook, **hook), **fields) for b in x.buckets)
         return dataclasses.replace(x, buckets=buckets)
     return x
 
@@ -325,7 +326,8 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
         owners += [name if isinstance(x, (UnitParam, GroupParam)) else None] * len(jax.tree.leaves(x))
     if not any(owners):
         return
-    arrays, treedef = jax.tree.flatten(jax.tree.map(_probing, view, is_leaf=is_unit_leaf))
+    probing = jax.tree.map(lambda x: _replaced(x, {"probe": True}), view, is_leaf=is_unit_leaf)
+    arrays, treedef = jax.tree.flatten(probing)
 
     def probe(arrays):
         with one_loss():
@@ -399,20 +401,9 @@ def one_loss() -> Iterator[None]:
         _CALLED.reset(token)
 
 
-def _again(x):
-    """A unit leaf that an earlier `unit` call of this loss materialized: without its carry and extraction."""
-    if isinstance(x, UnitParam):
-        return dataclasses.replace(x, acc=None, gsink=None, hook=dataclasses.replace(x.hook, extract=False))
-    buckets = tuple(
-        dataclasses.replace(b, acc=None, gsink=None, hook=dataclasses.replace(b.hook, extract=False))
-        for b in x.buckets
-    )
-    return dataclasses.replace(x, buckets=buckets)
-
-
 def _first_calls(params: PyTree) -> PyTree:
     """`params` with the unit leaves that an earlier `unit` call of this loss materialized in the current
-    trace made `_again`."""
+    trace stripped of their carry and extraction."""
     called = _CALLED.get()
     if called is None:
         return params
@@ -425,7 +416,7 @@ def _first_calls(params: PyTree) -> PyTree:
         sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
         traces = called.setdefault(id(sink), (sink, []))[1]
         if any(here == t for t in traces):
-            return _again(x)
+            return _replaced(x, {"extract": False}, acc=None, gsink=None)
         traces.append(here)
         return x
 
@@ -451,7 +442,8 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     True for unrolled units: XLA could otherwise merge a recompute with the forward it repeats.
 
     A unit may run more than once per loss (shared weights): each call's backward reduces its part of
-    the grad, and only the first adds the accumulated micro-batches or hands the params on (`one_loss`)."""
+    the grad, and only the first in a trace adds the accumulated micro-batches or hands the params on
+    (`one_loss`)."""
     params = _first_calls(params)
     hooks = _hooks(params)
 
