@@ -9,12 +9,19 @@
   that read them (`groups.add_decayed_weights`, `groups.scale_by_lr_mult`); groups that
   the inner transformation never reads are refused rather than silently ignored.
 
-The miniature keeps every param's rank and cuts each dim to at most 3.
+The miniature keeps every param's rank, and its shape up to `MINIATURE_ELEMENTS` (a larger param's
+largest dims are halved until it fits), so a chain that decides by a param's rank or size (a mask on
+`p.ndim` or `p.size`) decides on the miniature as on the params. Its grads probe what a chain may
+do across elements: the first step's are scaled by `LARGE_GRADS` (any clip threshold below is
+crossed), the last carries one NaN (a skip of non-finite updates acts on the whole tree).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,6 +37,8 @@ from jzero.zero.common.update import inner_update
 
 PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
+MINIATURE_ELEMENTS = 4096
+LARGE_GRADS = 1e8
 
 
 def transformation_name(tx: optax.GradientTransformation) -> str:
@@ -59,15 +68,59 @@ def transformation_name(tx: optax.GradientTransformation) -> str:
     return name(tx.update, 6)
 
 
+def _miniature_shape(shape: tuple[int, ...]) -> list[int]:
+    """`shape`, its largest dim halved (rounding up) until it holds at most MINIATURE_ELEMENTS."""
+    dims = list(shape)
+    while math.prod(dims) > MINIATURE_ELEMENTS:
+        i = dims.index(max(dims))
+        dims[i] = (dims[i] + 1) // 2
+    return dims
+
+
 def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
-    """(params, two steps of grads): random fp32 arrays of each param's rank, dims cut to 3."""
+    """(params, three steps of grads): random fp32 arrays of each param's miniature shape; the first
+    step's grads times LARGE_GRADS, the last's with a NaN in the first element of the largest param."""
     rng = np.random.default_rng(seed)
 
     def draw(t):
-        return jnp.asarray(rng.standard_normal([min(n, 3) for n in t.shape]), jnp.float32)
+        return rng.standard_normal(_miniature_shape(t.shape)).astype(np.float32)
 
     params = jax.tree.map(draw, plan.tensors)
-    return params, [jax.tree.map(draw, plan.tensors) for _ in range(2)]
+    grads = [jax.tree.map(draw, plan.tensors) for _ in range(3)]
+    grads[0] = jax.tree.map(lambda g: g * LARGE_GRADS, grads[0])
+    largest = max(jax.tree.leaves(grads[-1]), key=np.size, default=None)
+    if largest is not None and largest.size:
+        largest.reshape(-1)[0] = np.nan
+    as_arrays = lambda tree: jax.tree.map(jnp.asarray, tree)  # noqa: E731
+    return as_arrays(params), [as_arrays(g) for g in grads]
+
+
+def _decides_by_size(inner, plan: ShardingPlan, values) -> bool:
+    """Whether `inner` builds another update program for the params' shapes than for their miniature's
+    (numbers aside): a chain that decides by a param's size beyond MINIATURE_ELEMENTS (a mask on
+    `p.size >= 10**6`), which the miniature cannot show and a bucket shard would decide otherwise.
+    Traced only, on abstract arrays: nothing of the params' size is made."""
+
+    def program(shape_of: Callable[[tuple[int, ...]], Any]) -> str:
+        specs = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(shape_of(t.shape)), jnp.float32), plan.tensors)
+        text = str(jax.make_jaxpr(lambda p, g: _run(inner, p, [g], values))(specs, specs))
+        return " ".join(re.sub(r"\d+", "#", text).split())  # numbers aside, and the printer's line breaks
+
+    return program(tuple) != program(_miniature_shape)
+
+
+def _step_error(a: jax.Array, b: jax.Array) -> float:
+    """The largest over steps ([steps, ...]) of |a - b| / |b|, a NaN or inf in one where the other has
+    none counting as infinite."""
+    a, b = np.asarray(a, np.float64).reshape(len(a), -1), np.asarray(b, np.float64).reshape(len(b), -1)
+    worst = 0.0
+    for x, y in zip(a, b):
+        odd = ~np.isfinite(y)
+        if not np.array_equal(odd, ~np.isfinite(x)) or not np.array_equal(x[odd], y[odd], equal_nan=True):
+            return math.inf
+        x, y = x[~odd], y[~odd]
+        worst = max(worst, float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-30)))
+    return worst
 
 
 def _run(inner, params, grads, groups) -> list[jax.Array]:
@@ -111,8 +164,8 @@ def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list
 def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None = None) -> None:
     """Raises ConfigError unless `inner` updates a flat buffer's shards as it updates the params.
 
-    Compares two steps' updates (not the params, whose size would hide a difference in a
-    small update) per param against the per-param run.
+    Compares three steps' updates (not the params, whose size would hide a difference in a
+    small update), each step's per param, against the per-param run (module docstring).
     """
     params, grads = _miniature(plan)
     values = None if groups is None else per_param_values(groups)
@@ -131,15 +184,20 @@ def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, g
             f"{str(e).splitlines()[0][:160]}). {use}"
         ) from None
     names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.tensors)[0]]
-    errors = {
-        n: float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30)) for n, a, b in zip(names, flat, reference)
-    }
+    errors = {n: _step_error(a, b) for n, a, b in zip(names, flat, reference)}
     worst = max(errors, key=errors.get, default=None)
     if worst is not None and errors[worst] > TOLERANCE:
+        how = "in which elements are finite" if math.isinf(errors[worst]) else f"by {errors[worst]:.1e} (relative)"
         raise ConfigError(
             f"zero.path=flat needs an element-wise optimizer, and {what} is not: on flat buffer shards its update "
-            f"differs by {errors[worst]:.1e} (relative, param {worst}); trust ratios, factored moments, per-tensor "
-            f"masks and norms inside the chain see one rank's slice of a buffer there. {use}"
+            f"differs {how} (param {worst}); trust ratios, factored moments, per-tensor "
+            f"masks, norms (clipping) and skips of non-finite updates inside the chain see one rank's slice of a "
+            f"buffer there. {use}"
+        )
+    if _decides_by_size(inner, plan, values):
+        raise ConfigError(
+            f"zero.path=flat needs an element-wise optimizer, and {what} is not: its update for a param depends on "
+            f"the param's size (a mask or rule on p.size?), and on flat buffer shards it would see a shard's. {use}"
         )
 
 

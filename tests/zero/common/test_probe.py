@@ -1,8 +1,11 @@
 """jzero.zero.common.probe: the build-time checks of the inner optax transformation, on a miniature of the
 params: the flat path runs only element-wise transformations, and param groups must be read by the chain."""
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from helpers import pytree
 from jzero.errors import ConfigError
@@ -13,6 +16,8 @@ from jzero.zero.config import ParamGroupRule, ShardingStrategy
 
 PLAN = make_plan(pytree.mesh(dp=4), ShardingStrategy.OPTIM, pytree.abstract(), pytree.NO_TP)
 DEFAULTS = groups.param_groups(pytree.abstract())  # bias: wd_mult 0
+LARGE = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32), "bias": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+LARGE_PLAN = make_plan(pytree.mesh(dp=4), ShardingStrategy.OPTIM, LARGE, {"w": P(), "bias": P()})  # never made
 
 
 @pytest.mark.parametrize(
@@ -27,6 +32,7 @@ DEFAULTS = groups.param_groups(pytree.abstract())  # bias: wd_mult 0
 )
 def test_element_wise_transformations_pass(inner, param_groups):
     check_elementwise(inner, PLAN, param_groups)
+    check_elementwise(inner, LARGE_PLAN, None if param_groups is None else groups.param_groups(LARGE))
 
 
 def test_a_per_tensor_transformation_is_refused_by_name():
@@ -38,6 +44,32 @@ def test_a_per_tensor_transformation_is_refused_by_name():
         "chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio, scale) is not: on flat buffer shards"
     )
     assert "Use zero.path=spec" in message
+
+
+def _mask_by_size(threshold):
+    return optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.size >= threshold, p))
+
+
+@pytest.mark.parametrize(
+    "inner, plan",
+    [
+        (optax.chain(optax.clip_by_global_norm(30.0), optax.adam(1e-2)), PLAN),  # N(0, 1) grads never reach 30
+        (optax.apply_if_finite(optax.adam(1e-2), 3), PLAN),  # skips the whole tree's update on one NaN
+        (_mask_by_size(64), PLAN),  # bias (6) not decayed; its elements sit in shards of ~73
+        (_mask_by_size(10**6), LARGE_PLAN),  # w (2M) decayed, its shards (~0.8M) would not be
+    ],
+    ids=["clip-30", "apply-if-finite", "mask-by-size", "mask-by-size-beyond-the-miniature"],
+)
+def test_a_chain_that_acts_across_elements_only_on_training_grads_or_sizes_is_refused(inner, plan):
+    """Chains that are element-wise on small N(0, 1) grads of a miniature whose dims were cut to 3, and
+    trained silently wrong on the flat path: each rank clipped by its own shard's norm, skipped only its
+    own shard, or decided by a shard's size what the chain decides by a param's."""
+    with pytest.raises(ConfigError, match="^zero.path=flat needs an element-wise optimizer"):
+        check_elementwise(inner, plan)
+
+
+def test_a_mask_by_size_that_shards_decide_alike_passes():
+    check_elementwise(_mask_by_size(64), LARGE_PLAN)  # every param and shard over 64: all decayed, as per param
 
 
 def test_a_transformation_built_for_the_params_tree_is_refused():
