@@ -19,7 +19,7 @@ MOE = {"moe": {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}
     "strategy, mesh, microbatches, dp_outer, model, zero",
     [
         ("optim_grads_params", (4, 1, 2), 2, 1, SCAN, {}),  # ZeRO-3: gathered per unit, twice, every micro-batch
-        ("optim_grads_params", (8, 1, 1), 1, 1, {}, {}),  # unrolled blocks, a group each
+        # (unrolled blocks, a unit each, on dp 8: tests/zero/test_fsdp.py's test_zero3_matches_single_device_optax)
         ("optim_grads_params", (2, 2, 2), 2, 1, MOE, {}),  # expert buckets over the expert-DP domain
         ("optim_grads_params", (2, 1, 2), 1, 2, SCAN, {"outer_strategy": "optim"}),  # HSDP, state across dp_outer
         ("optim", (8, 1, 1), 3, 1, SCAN, {}),  # gathered in the first, accumulated, reduced per unit in the last
@@ -34,7 +34,7 @@ MOE = {"moe": {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}
         ("optim", (4, 1, 2), 2, 1, SCAN, {"overlap_grad_reduce": False}),  # one layout, after the backward
     ],
     ids=[
-        "zero3-tp2-scan-2mb", "zero3-dp8", "zero3-moe-2mb", "zero3-hsdp-optim", "zero1-scan-3mb", "ddp-scan-3mb",
+        "zero3-tp2-scan-2mb", "zero3-moe-2mb", "zero3-hsdp-optim", "zero1-scan-3mb", "ddp-scan-3mb",
         "zero2-tp2-scan-2mb", "zero2-hsdp", "zero1-hsdp-optim", "zero2-whole-params-2mb", "zero2-moe-whole-params",
         "ddp-tp2", "zero3-off-2mb", "zero1-off-tp2-2mb",
     ],
