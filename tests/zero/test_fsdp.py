@@ -321,7 +321,7 @@ def test_checkpoints_move_between_flat_units_the_spec_path_and_flat_without_over
     flat3 = flat_config(ZERO3, (4, 1, 2), model=SCAN, precision=bf16["precision"])
     whole = train_and_save(tmp_path / "a", flat3)
     assert "main_params" in whole
-    restore_matches(tmp_path / "a", whole, tiny_config("optim_grads", (8, 1, 1), model=SCAN, **bf16), train=True)
+    restore_matches(tmp_path / "a", whole, tiny_config("optim_grads", (8, 1, 1), model=SCAN, **bf16))
     off = tiny_config("optim", (4, 1, 2), model=SCAN, zero={"path": "flat", "overlap_grad_reduce": False}, **bf16)
     restore_matches(tmp_path / "a", whole, off)
     whole = train_and_save(tmp_path / "b", off)
