@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES
 
 PyTree = Any
@@ -26,11 +27,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def split_batch(batch: PyTree, n_dp: int, microbatches: int) -> PyTree:
     """`[B, ...]` -> `[microbatches, n_dp, B / (n_dp * microbatches), ...]`.
 
-    With n_dp = 1 (inside shard_map, on one rank's rows) it splits the rank's microbatches.
+    With n_dp = 1 (inside shard_map, on one rank's rows) it splits the rank's microbatches. Raises
+    ConfigError (at trace time) where n_dp x microbatches does not divide B.
     """
 
     def split(x):
-        b = x.shape[0] // (n_dp * microbatches)
+        b, rest = divmod(x.shape[0], n_dp * microbatches)
+        if rest or not b:
+            parts = f"{n_dp} DP ranks x {microbatches} micro-batches" if n_dp > 1 else f"{microbatches} micro-batches"
+            rows = f"the batch's {x.shape[0]} rows" if n_dp > 1 else f"a DP rank's {x.shape[0]} batch rows"
+            raise ConfigError(f"{rows} do not split into {parts}: give the step a multiple of DP size x micro-batches")
         return jnp.swapaxes(x.reshape(n_dp, microbatches, b, *x.shape[1:]), 0, 1)
 
     return jax.tree.map(split, batch)

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import pytree
+from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES
 from jzero.zero.common.batch import batch_sharding, split_batch
 
@@ -34,3 +35,19 @@ def test_each_rank_holds_the_rows_split_batch_gives_it():
     split = split_batch(np.asarray(x), 4, 1)
     for shard in x.addressable_shards:
         np.testing.assert_array_equal(shard.data, split[0, rank[shard.device]])
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("spec", "the batch's 24 rows do not split into 4 DP ranks x 4 micro-batches"),
+        ("flat", "a DP rank's 6 batch rows do not split into 4 micro-batches"),
+    ],
+)
+def test_a_batch_the_micro_batches_do_not_divide_is_one_clear_error(path, message):
+    """Through the Python API (the CLI's config check never lets this through): 24 rows over 4 ranks and 4
+    micro-batches. Before, the spec path failed in a reshape and the flat path inside shard_map."""
+    z = pytree.build("optim", path, dp=4, microbatches=4)
+    state = z.init_state(lambda: pytree.init_params())
+    with pytest.raises(ConfigError, match=f"^{message}: give the step a multiple of DP size x micro-batches"):
+        z.step(state, jax.device_put(pytree.batch(rows=24), z.batch_sharding))
