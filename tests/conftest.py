@@ -76,7 +76,8 @@ def pytest_collection_modifyitems(config, items):
       strategy with each path, each mesh with each strategy, ...): in order, a case runs if some
       pair of it no earlier case had;
     - `--thorough` runs every case (docs/testing.md).
-    """
+
+    Then it runs the slow tests first (below)."""
     first, covered, skipped = set(), {}, []
     for item in items:
         if item.get_closest_marker("matrix") is None:
@@ -95,3 +96,6 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=skipped)
         gone = set(skipped)
         items[:] = [item for item in items if item not in gone]
+    # The slow tests first (each file's in its order): pytest-xdist hands the workers tests in this
+    # order, so the two finish on short tests together instead of one waiting on a 30 s test.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -167,13 +167,14 @@ def test_dp_minus_one_fills_the_gpu_topology(topology, n, dp):
 
 
 @needs_cuda
-@pytest.mark.parametrize("microbatches", [1, 4])
 @pytest.mark.slow
-def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path, microbatches):
-    """8 H100s, spec path: ZeRO-1 and ZeRO-2 reduce-scatter the grads (no full-gradient all-reduce)
-    and, with fp32 params, move what DDP's all-reduce moves (docs/megatron.md, "Bytes on the
-    wire"); ZeRO-1 reduces once after the last microbatch, as Megatron's distributed optimizer."""
-    micro = [f"train.microbatches={microbatches}", "train.global_batch=32", "zero.overlap_grad_reduce=false"]
+def test_deviceless_h100_zero1_and_zero2_reduce_scatter(tmp_path):
+    """8 H100s, spec path, 4 micro-batches: ZeRO-1 and ZeRO-2 reduce-scatter the grads (no
+    full-gradient all-reduce) and, with fp32 params, move what DDP's all-reduce moves
+    (docs/megatron.md, "Bytes on the wire"); ZeRO-1 reduces once after the last microbatch, as
+    Megatron's distributed optimizer. (At one micro-batch, on CPU:
+    tests/zero/spec/test_grads.py's test_zero1_reduce_scatters_per_unit_and_gathers_once.)"""
+    micro = ["train.microbatches=4", "train.global_batch=32", "zero.overlap_grad_reduce=false"]
     jzero_args = ["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "no_shard,optim,optim_grads",
                   "--json", str(tmp_path / "hlo.json")]  # ZeRO-3 left out: test_fsdp_inspect.py
     assert jzero(jzero_args, [*TINY, *micro]) == 0
