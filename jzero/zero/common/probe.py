@@ -13,7 +13,7 @@ The miniature keeps every param's rank, and its shape up to `MINIATURE_ELEMENTS`
 largest dims are halved until it fits), so a chain that decides by a param's rank or size (a mask on
 `p.ndim` or `p.size`) decides on the miniature as on the params. Its grads probe what a chain may
 do across elements: the first step's are scaled by `LARGE_GRADS` (any clip threshold below is
-crossed), the last carries one NaN (a skip of non-finite updates acts on the whole tree).
+crossed), the second carries one NaN (a skip of non-finite updates acts on the whole tree).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jzero.zero.common.update import inner_update
 
 PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
-MINIATURE_ELEMENTS = 4096
+MINIATURE_ELEMENTS = 64
 LARGE_GRADS = 1e8
 
 
@@ -78,15 +78,15 @@ def _miniature_shape(shape: tuple[int, ...]) -> list[int]:
 
 
 def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
-    """(params, three steps of grads): random fp32 arrays of each param's miniature shape; the first
-    step's grads times LARGE_GRADS, the last's with a NaN in the first element of the largest param."""
+    """(params, two steps of grads): random fp32 arrays of each param's miniature shape; the first
+    step's grads times LARGE_GRADS, the second's with a NaN in the first element of the largest param."""
     rng = np.random.default_rng(seed)
 
     def draw(t):
         return rng.standard_normal(_miniature_shape(t.shape)).astype(np.float32)
 
     params = jax.tree.map(draw, plan.tensors)
-    grads = [jax.tree.map(draw, plan.tensors) for _ in range(3)]
+    grads = [jax.tree.map(draw, plan.tensors) for _ in range(2)]
     grads[0] = jax.tree.map(lambda g: g * LARGE_GRADS, grads[0])
     largest = max(jax.tree.leaves(grads[-1]), key=np.size, default=None)
     if largest is not None and largest.size:
@@ -164,7 +164,7 @@ def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list
 def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None = None) -> None:
     """Raises ConfigError unless `inner` updates a flat buffer's shards as it updates the params.
 
-    Compares three steps' updates (not the params, whose size would hide a difference in a
+    Compares two steps' updates (not the params, whose size would hide a difference in a
     small update), each step's per param, against the per-param run (module docstring).
     """
     params, grads = _miniature(plan)

@@ -68,10 +68,6 @@ def test_a_chain_that_acts_across_elements_only_on_training_grads_or_sizes_is_re
         check_elementwise(inner, plan)
 
 
-def test_a_mask_by_size_that_shards_decide_alike_passes():
-    check_elementwise(_mask_by_size(64), LARGE_PLAN)  # every param and shard over 64: all decayed, as per param
-
-
 def test_a_transformation_built_for_the_params_tree_is_refused():
     masked = optax.masked(optax.adam(1e-2), {"w": True, "bias": False, "v": True, "s": True})
     assert transformation_name(masked) == "masked(chain(scale_by_adam, scale))"
