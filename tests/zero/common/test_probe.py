@@ -55,15 +55,15 @@ def _mask_by_size(threshold):
     [
         (optax.chain(optax.clip_by_global_norm(30.0), optax.adam(1e-2)), PLAN),  # N(0, 1) grads never reach 30
         (optax.apply_if_finite(optax.adam(1e-2), 3), PLAN),  # skips the whole tree's update on one NaN
-        (_mask_by_size(64), PLAN),  # bias (6) not decayed; its elements sit in shards of ~73
+        (_mask_by_size(64), PLAN),  # w, v, s (72-120 elements) decayed, bias (6) not; a shard decides by its own size
         (_mask_by_size(10**6), LARGE_PLAN),  # w (2M) decayed, its shards (~0.8M) would not be
     ],
     ids=["clip-30", "apply-if-finite", "mask-by-size", "mask-by-size-beyond-the-miniature"],
 )
 def test_a_chain_that_acts_across_elements_only_on_training_grads_or_sizes_is_refused(inner, plan):
-    """Chains that are element-wise on small N(0, 1) grads of a miniature whose dims were cut to 3, and
-    trained silently wrong on the flat path: each rank clipped by its own shard's norm, skipped only its
-    own shard, or decided by a shard's size what the chain decides by a param's."""
+    """Chains that were element-wise on the old probe's small N(0, 1) grads of a miniature whose dims
+    were cut to 3, and trained silently wrong on the flat path: each rank clipped by its own shard's
+    norm, skipped only its own shard, or decided by a shard's size what the chain decides by a param's."""
     with pytest.raises(ConfigError, match="^zero.path=flat needs an element-wise optimizer"):
         check_elementwise(inner, plan)
 
