@@ -18,9 +18,9 @@ crossed), the second carries one NaN (a skip of non-finite updates acts on the w
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jzero.errors import ConfigError
 from jzero.zero.common.groups import GroupValues, ParamGroup, group_leaves, per_param_values
@@ -96,17 +96,29 @@ def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]
 
 
 def _decides_by_size(inner, plan: ShardingPlan, values) -> bool:
-    """Whether `inner` builds another update program for the params' shapes than for their miniature's
-    (numbers aside): a chain that decides by a param's size beyond MINIATURE_ELEMENTS (a mask on
+    """Whether `inner` builds another update program (its primitives, counted) for the params' shapes than
+    for their miniature's: a chain that decides by a param's size beyond MINIATURE_ELEMENTS (a mask on
     `p.size >= 10**6`), which the miniature cannot show and a bucket shard would decide otherwise.
     Traced only, on abstract arrays: nothing of the params' size is made."""
 
-    def program(shape_of: Callable[[tuple[int, ...]], Any]) -> str:
+    def program(shape_of: Callable[[tuple[int, ...]], Any]) -> collections.Counter:
         specs = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(shape_of(t.shape)), jnp.float32), plan.tensors)
-        text = str(jax.make_jaxpr(lambda p, g: _run(inner, p, [g], values))(specs, specs))
-        return " ".join(re.sub(r"\d+", "#", text).split())  # numbers aside, and the printer's line breaks
+        return _primitives(jax.make_jaxpr(lambda p, g: _run(inner, p, [g], values))(specs, specs).jaxpr)
 
     return program(tuple) != program(_miniature_shape)
+
+
+def _primitives(jaxpr: Jaxpr) -> collections.Counter:
+    """How often each primitive runs in `jaxpr`, the jaxprs it calls counted at each call (jax shares
+    one sub-jaxpr between calls of equal shapes, which the miniature's shapes make more of)."""
+    count = collections.Counter()
+    for eqn in jaxpr.eqns:
+        count[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    count += _primitives(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)
+    return count
 
 
 def _step_error(a: jax.Array, b: jax.Array) -> float:
