@@ -10,8 +10,9 @@
   the inner transformation never reads are refused rather than silently ignored.
 
 The miniature keeps every param's rank, and its shape up to `MINIATURE_ELEMENTS` (a larger param's
-largest dims are halved until it fits), so a chain that decides by a param's rank or size (a mask on
-`p.ndim` or `p.size`) decides on the miniature as on the params. Its grads probe what a chain may
+largest dims are halved until it fits), so a chain that decides by a param's rank (a mask on
+`p.ndim`) decides on the miniature as on the params; one that decides by size beyond that is caught
+by comparing its update program on the two shapes (`_decides_by_size`). Its grads probe what a chain may
 do across elements: the first step's are scaled by `LARGE_GRADS` (any clip threshold below is
 crossed), the second carries one NaN (a skip of non-finite updates acts on the whole tree).
 """
