@@ -94,6 +94,23 @@ def test_jzero_hlo_and_memory_report_the_toy_model(tmp_path, capsys):
         assert 0 <= s["state"]["optimizer_moments"] - s["formula"]["optimizer_moments"] <= 16  # Adam's counters
 
 
+def test_a_model_with_a_zero_size_param_checkpoints_and_resumes(tmp_path, capsys):
+    """orbax saves no 0-size array; the checkpoint leaves `prefix[0, D]` out of its arrays, lists it, and
+    makes it again on restore: a run resumed at step 2 takes step 3 as the straight run does."""
+    over = ["model.impl=helpers.empty_param_model:EmptyParamToyModel", *TOY[1:], f"checkpoint.dir={tmp_path / 'ck'}"]
+    assert main(["train", "--out", str(tmp_path / "a"), "--quiet", *sets([*over, "train.steps=2"])]) == 0
+    assert main(["train", "--out", str(tmp_path / "b"), "--quiet", "--resume", *sets([*over, "train.steps=3"])]) == 0
+    straight = [*over[:-1], "train.steps=3"]
+    assert main(["train", "--out", str(tmp_path / "c"), "--quiet", *sets(straight)]) == 0
+    resumed, straight = ([json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                         for d in "bc")  # fmt: skip
+    assert [r["step"] for r in resumed] == [3] and resumed[0]["loss"] == straight[-1]["loss"], (resumed, straight)
+    capsys.readouterr()
+    assert main(["ckpt", "info", str(tmp_path / "ck"), "--verify"]) == 0
+    info = capsys.readouterr().out
+    assert "params/prefix" in info and "(0, 32)" in info and "step 2: verified" in info, info
+
+
 @pytest.mark.parametrize(
     "impl, needle",
     [

@@ -50,6 +50,8 @@ from jzero.train.ckpt_step import (
     read_meta,
     saved_fingerprints,
     to_nested,
+    with_empty,
+    without_empty,
 )
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints, mismatched
@@ -196,7 +198,9 @@ class Checkpointer:
         try:
             self.manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(nested), meta=ocp.args.JsonSave(meta)),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(without_empty(nested)), meta=ocp.args.JsonSave(meta)
+                ),
                 force=True,
             )
         except Exception as e:
@@ -237,13 +241,14 @@ class Checkpointer:
         check_fits(step, self.directory, meta, target)
         restored, failure = None, None
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            restore = ocp.args.StandardRestore(without_empty(target))
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=restore))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
             failure = f"checkpoint step {step} in {self.directory} is unreadable: {one_line(e)}"
         failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
         if failure is not None:
             raise DamagedStep(failure)
-        nested = restored.state
+        nested = with_empty(restored.state, target)
         bad = mismatched(saved_fingerprints(meta), names(nested))
         if bad:
             raise DamagedStep(

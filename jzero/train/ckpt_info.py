@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 
 from jzero.errors import CheckpointError, one_line
 from jzero.train import ckpt_dir
-from jzero.train.ckpt_step import names, read_meta, reader, saved_fingerprints
+from jzero.train.ckpt_step import names, read_meta, reader, saved_fingerprints, with_empty, without_empty
 from jzero.train.integrity import mismatched
 
 
@@ -33,7 +33,8 @@ def _verify(directory: Path, step: int, manager: ocp.CheckpointManager) -> str |
             node = node.setdefault(k, {})
         node[leaf] = jax.ShapeDtypeStruct(tuple(a["shape"]), jnp.dtype(a["dtype"]), sharding=device)
     try:
-        nested = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+        restore = ocp.args.StandardRestore(without_empty(target))
+        nested = with_empty(manager.restore(step, args=ocp.args.Composite(state=restore)).state, target)
     except Exception as e:
         return f"unreadable: {one_line(e)}"
     bad = mismatched(saved_fingerprints(meta), names(nested))

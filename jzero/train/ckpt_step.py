@@ -6,6 +6,10 @@
       meta/   JSON: jzero's format, the writer's config and run id, the data position, and per array
               name its shape, dtype and fingerprint (`jzero.train.integrity`)
 
+orbax cannot save an array of zero elements (a model's param of shape [0, D]): `state/` leaves
+those out (`without_empty`), `meta/` lists them, and a restore makes them again from the run's
+target (`with_empty`), so a model with one saves and restores like any other.
+
 A step restores into a run only if every array the run holds is there with its shape and dtype
 (`check_fits`); a step whose files cannot be read, or whose arrays differ from their fingerprints,
 is a `DamagedStep`.
@@ -13,10 +17,12 @@ is a `DamagedStep`.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jzero.errors import CheckpointError, one_line
@@ -68,6 +74,30 @@ def names(nested: dict, prefix: str = "") -> dict[str, Any]:
             out |= names(v, f"{prefix}{k}/")
         else:
             out[prefix + k] = v
+    return out
+
+
+def without_empty(nested: dict) -> dict:
+    """`nested` without its arrays (or ShapeDtypeStructs) of zero elements, nor the dicts they leave empty."""
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            if sub := without_empty(v):
+                out[k] = sub
+        elif math.prod(v.shape) > 0:
+            out[k] = v
+    return out
+
+
+def with_empty(nested: dict, target: dict) -> dict:
+    """`nested` (a restored `without_empty(target)`) with each zero-element leaf of `target`
+    (ShapeDtypeStructs) made as an array of its shape, dtype and sharding."""
+    out = dict(nested)
+    for k, v in target.items():
+        if isinstance(v, dict):
+            out[k] = with_empty(nested.get(k, {}), v)
+        elif math.prod(v.shape) == 0:
+            out[k] = jnp.zeros(v.shape, v.dtype, device=v.sharding)
     return out
 
 
