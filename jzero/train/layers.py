@@ -101,6 +101,8 @@ class Attention(nnx.Module):
             q, k = rope(q), rope(k)
         scores = jnp.einsum("rbtgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
         t = x.shape[1]
+        # `where`, not an added mask (the same bits): the added one keeps no [B, H, T, T] residual but
+        # XLA then leaves a ZeRO-3 backward gather exposed (docs/overlap.md, "Measured", memory).
         causal = jnp.tril(jnp.ones((t, t), bool))
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
         out = jnp.einsum("bgrts,bsgk->btgrk", probs, v)
