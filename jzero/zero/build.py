@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -178,6 +180,22 @@ class Zero:
         )
 
 
+def check_empty_params(abstract_params: PyTree, jaxlib_version: str) -> None:
+    """Raises ConfigError for a param of 0 elements where jaxlib's XLA crashes (a segfault, no message)
+    compiling a ZeRO step that holds one: jaxlib 0.11.2 on every strategy and path (its SPMD
+    partitioner, after the zero-sized-HLO elimination inside the step's shard_map); 0.10.2 compiles it
+    (docs/xla.md, "Supported JAX versions"). A refusal here, where the run is built, not a crash later."""
+    if not jaxlib_version.startswith("0.11."):
+        return
+    for path, p in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        if math.prod(p.shape) == 0:
+            raise ConfigError(
+                f"param {jax.tree_util.keystr(path)} has shape {tuple(p.shape)}, 0 elements: jaxlib "
+                f"{jaxlib_version}'s XLA crashes compiling a ZeRO step that holds one (0.10.2 compiles it); "
+                "leave it out of the params or use jaxlib 0.10.2"
+            )
+
+
 def build_zero(
     loss_fn: LossFn,
     inner: optax.GradientTransformation,
@@ -248,6 +266,7 @@ def build_zero(
             "float16 params need loss scaling (their grads underflow without it): pass "
             "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
         )
+    check_empty_params(abstract_params, jaxlib.__version__)
     plan = make_plan(
         mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy, zero.gathers_in_forward
     )

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import pytree
 from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES
-from jzero.zero.build import Zero, build_zero
+from jzero.zero.build import Zero, build_zero, check_empty_params
 from jzero.zero.common.state import ModelState
 from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig
 
@@ -34,6 +34,16 @@ def test_float16_params_need_loss_scaling():
         build_zero(pytree.loss, optax.adam(1e-2), mesh, abstract, pytree.NO_TP)
     z = pytree.build(dtype=jnp.float16, loss_scale=DynamicLossScale())
     assert z.options.loss_scale == DynamicLossScale()
+
+
+def test_a_zero_size_param_is_refused_where_jaxlibs_xla_would_crash_on_it():
+    """jaxlib 0.11.2's XLA segfaults compiling a step with a 0-size param; 0.10.2 (and this machine's jax)
+    trains it (tests/zero/test_optax_contract.py's `empty`)."""
+    params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32), "prefix": jax.ShapeDtypeStruct((0, 3), jnp.float32)}
+    with pytest.raises(ConfigError, match=r"^param \['prefix'\] has shape \(0, 3\), 0 elements: jaxlib 0\.11\.2's"):
+        check_empty_params(params, "0.11.2")
+    check_empty_params(params, "0.10.2")
+    check_empty_params({"w": params["w"]}, "0.11.2")
 
 
 def test_state_is_born_in_its_shardings_and_evaluate_is_the_steps_loss():

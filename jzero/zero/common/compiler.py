@@ -30,21 +30,29 @@ micro-batch loop is kept whole by one (`schedule._accumulate`).
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
-stay theirs.
+stay theirs. XLA renamed the pipeliner's options (openxla/xla#45836): jaxlib 0.10.2 knows the
+booleans `xla_gpu_enable_pipelined_<collective>`, 0.11.2 only the modes `xla_gpu_pipeline_<collective>`
+(`COLLECTIVE_PIPELINING_MODE_ON` is the old `true`) and refuses a step compiled with the old names
+("No such compile option"). `pipeline_options` asks the running XLA which names it takes, once per
+platform, by compiling a one-scalar program with each (docs/xla.md, "Supported JAX versions").
 """
 
 from __future__ import annotations
 
-from jax.sharding import Mesh
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from jzero.zero.config import ZeroConfig, ZeroPath
 
-PIPELINE = {
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
-    "xla_gpu_enable_while_loop_double_buffering": True,
-}
+_PIPELINED = ("all_gather", "reduce_scatter", "all_reduce")
+# The pipeliner's options as XLA has spelled them, newest first.
+PIPELINER_SPELLINGS = (
+    {f"xla_gpu_pipeline_{c}": "COLLECTIVE_PIPELINING_MODE_ON" for c in _PIPELINED},  # jaxlib 0.11.2
+    {f"xla_gpu_enable_pipelined_{c}": True for c in _PIPELINED},  # jaxlib 0.10.2
+)
 # The spec path: a layer's collectives of the kind that queues combined (module docstring). A LLaMA-2-7B,
 # 70B or 405B layer's params (bf16, tp-local) are 0.4, 0.2 and 0.8 GB, fp32 grads twice that.
 COMBINE = {
@@ -53,12 +61,34 @@ COMBINE = {
 }
 
 
+def pipeline_options(device: jax.Device) -> dict:
+    """The collective pipeliner's options in the spelling the XLA of `device` takes (module docstring)."""
+    return _pipeline_options(device.client.platform_version, device)
+
+
+@functools.cache
+def _pipeline_options(platform_version: str, device: jax.Device) -> dict:
+    del platform_version  # the cache key: one probe per XLA build
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=SingleDeviceSharding(device)))
+    for options in PIPELINER_SPELLINGS:
+        try:
+            probe.compile(compiler_options=options)
+            return options
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+    raise RuntimeError(
+        f"this XLA ({device.client.platform_version}) knows none of the collective pipeliner's options "
+        f"{[sorted(o) for o in PIPELINER_SPELLINGS]}: jzero/zero/common/compiler.py needs its new name"
+    )
+
+
 def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> dict:
     """The XLA options of a ZeRO step on `mesh` (module docstring); {} off a GPU or without overlap."""
-    platform = mesh.devices.flat[0].platform
-    if platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
+    device = mesh.devices.flat[0]
+    if device.platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
         return {}
-    options = {**PIPELINE, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1}
+    options = {**pipeline_options(device), "xla_gpu_enable_while_loop_double_buffering": microbatches == 1}
     if config.path == ZeroPath.SPEC and config.shards_state:
         options |= COMBINE["gathers" if config.shards_params else "reductions"]
     return options
