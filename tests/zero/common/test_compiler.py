@@ -26,6 +26,20 @@ def test_the_pipeliner_options_are_the_ones_this_xla_takes():
     lowered.compile(compiler_options=options)
 
 
+@needs_gpu_plugin
+def test_an_xla_that_knows_no_pipeliner_option_compiles_without_it_and_says_so(monkeypatch):
+    from jzero.zero.common import compiler
+
+    device = gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",)).devices.flat[0]
+    monkeypatch.setattr(compiler, "PIPELINER_SPELLINGS", ({"xla_gpu_no_such_pipeliner_option": True},))
+    compiler.pipeline_options.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="knows none of the collective pipeliner's options"):
+            assert compiler.pipeline_options(device) == {}
+    finally:
+        compiler.pipeline_options.cache_clear()
+
+
 def cpu_mesh():
     import jax
 
