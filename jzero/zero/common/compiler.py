@@ -18,11 +18,13 @@ The spec path reduces and gathers each param by its own collective, and XLA:GPU 
 of a kind at a time, so a layer's queue behind each other and the one the step waits for may be
 left exposed. On the spec path the combiner's threshold of the kind that queues is raised
 (`COMBINE`): the backward's reduce-scatters under ZeRO-1/2 to 1 GiB, so a layer's become one, as
-the flat path's one bucket per unit is, and the gathers under ZeRO-3 to 128 MiB, a few per layer
+the flat path's one bucket per unit is, and the gathers under ZeRO-3 to 256 MiB, a few per layer
 (LLaMA-2-7B on 8 x H100, exposed DP wire at one micro-batch: ZeRO-1/2 5.8% -> 3.7%, ZeRO-3 8.8% ->
-3.0%, at 8 micro-batches 3.7%; docs/overlap.md). ZeRO-3's gathers combined up to 256 MiB, 512 MiB
-and 1 GiB left 3.4%, 4.1% and 5.0% exposed at one micro-batch (4.0%, 4.4% and 5.3% at eight):
-a layer's first matmul waits for a larger gather. Combining the other kind too measured worse
+3.4%, at 8 micro-batches 4.0%; docs/overlap.md). 256 MiB is the threshold that holds on jaxlib
+0.10.2 and 0.11.2 alike (3.4% at one micro-batch on both; exposed time 12.9 and 14.2 ms of 104):
+128 MiB left 3.0% on 0.10.2 but 9.1% on 0.11.2, whose combiner then splits a layer's backward
+gathers so that its QKV gather finds no matmul beside it; 512 MiB and 1 GiB left 4.1% and 5.0% on
+0.10.2 (a layer's first matmul waits for a larger gather). Combining the other kind too measured worse
 (ZeRO-3's reduce-scatters as well, at 1 GiB: 6.3%; ZeRO-1/2's gathers are the forward's, already
 overlapped: 7.1%). ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute
 carries no optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its
@@ -57,7 +59,7 @@ PIPELINER_SPELLINGS = (
 # The spec path: a layer's collectives of the kind that queues combined (module docstring). A LLaMA-2-7B,
 # 70B or 405B layer's params (bf16, tp-local) are 0.4, 0.2 and 0.8 GB, fp32 grads twice that.
 COMBINE = {
-    "gathers": {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 27},  # ZeRO-3
+    "gathers": {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 28},  # ZeRO-3
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
 }
 

@@ -438,7 +438,7 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     (the scan keeps the recompute apart already, jax's own advice): the barrier it would add hides
     the backward's gathers from XLA's collective pipeliner, so under ZeRO-3 a layer's re-gather could
     not start during the previous layer's backward (LLaMA-2-7B on 8 x H100: 10.2% of the DP wire
-    exposed with it, 8.8% without, 3.0% with a layer's gathers combined too; docs/overlap.md). Keep
+    exposed with it, 8.8% without, 3.4% with a layer's gathers combined too; docs/overlap.md). Keep
     True for unrolled units: XLA could otherwise merge a recompute with the forward it repeats.
 
     A unit may run more than once per loss (shared weights): each call's backward reduces its part of
