@@ -180,12 +180,19 @@ class Zero:
         )
 
 
+def xla_crashes_on_empty_params(jaxlib_version: str) -> bool:
+    """Whether this jaxlib's XLA crashes (a segfault, no message) compiling a ZeRO step that holds a
+    param of 0 elements: jaxlib 0.11.2 on every strategy and path (its SPMD partitioner: the
+    zero-sized-HLO elimination turns a shard_map's 0-size operands into constants, and the
+    conditional canonicalizer after it crashes); 0.10.2 compiles it (docs/xla.md, "Supported JAX
+    versions")."""
+    return jaxlib_version.startswith("0.11.")
+
+
 def check_empty_params(abstract_params: PyTree, jaxlib_version: str) -> None:
-    """Raises ConfigError for a param of 0 elements where jaxlib's XLA crashes (a segfault, no message)
-    compiling a ZeRO step that holds one: jaxlib 0.11.2 on every strategy and path (its SPMD
-    partitioner, after the zero-sized-HLO elimination inside the step's shard_map); 0.10.2 compiles it
-    (docs/xla.md, "Supported JAX versions"). A refusal here, where the run is built, not a crash later."""
-    if not jaxlib_version.startswith("0.11."):
+    """Raises ConfigError for a param of 0 elements where jaxlib's XLA would crash on it
+    (`xla_crashes_on_empty_params`): a refusal where the run is built, not a crash later."""
+    if not xla_crashes_on_empty_params(jaxlib_version):
         return
     for path, p in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
         if math.prod(p.shape) == 0:

@@ -4,13 +4,14 @@ plain single-device optax; the flat path refuses the rest with one clear error.
 
 The problem is optax's own test problems (the parabola and Rosenbrock of optax's alias tests)
 beside a tree of odd-shaped leaves: ranks 0 to 3, sizes that 8 ranks do and do not divide, an
-empty leaf, and one large enough for adafactor to factor.
+empty leaf (where jaxlib's XLA compiles one), and one large enough for adafactor to factor.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -19,12 +20,15 @@ from jax.sharding import PartitionSpec as P
 from jzero.config import ConfigError
 from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import ParamGroup, build_zero, groups
+from jzero.zero.build import xla_crashes_on_empty_params
 from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 STEPS = 10
 SHAPES = {"vec3": (3,), "mat": (16, 5), "cube": (8, 3, 7), "wide": (128, 136), "odd": (129, 130), "empty": (0, 4),
           "scalar": ()}  # fmt: skip
+if xla_crashes_on_empty_params(jaxlib.__version__):  # build_zero refuses the 0-size leaf (tests/zero/test_build.py)
+    del SHAPES["empty"]
 RNG = np.random.default_rng(0)
 TARGETS = {k: jnp.asarray(RNG.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
 FINAL = jnp.array([1.0, -1.0, 1.0])

@@ -73,7 +73,8 @@ def test_one_ranks_inf_is_every_ranks():
     fp = flat_plan("optim")
     axes = tuple(fp.plan.mesh.axis_names)
     g = np.ones((4, 8), np.float32)
-    flags = per_device(lambda x: any_nonfinite([x[0]], axes)[None], fp, P(DP), P(DP))
+    # check_vma=False, as in the flat step: jax 0.11 refuses a pmax over tp, in which x does not vary.
+    flags = per_device(lambda x: any_nonfinite([x[0]], axes)[None], fp, P(DP), P(DP), check_vma=False)
     assert not np.any(flags(g))
     g[2, 5] = np.nan
     assert np.all(flags(g))
