@@ -36,7 +36,7 @@ from jzero.config import ModelConfig, PosKind
 from jzero.mesh import EP_AXIS
 from jzero.model import TokenExchange
 from jzero.train import moe
-from jzero.train.layers import N_STATS, Block, MoE, is_moe_block, norm, normal
+from jzero.train.layers import N_STATS, Block, Keys, MoE, is_moe_block, norm, normal
 from jzero.zero.common import units
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
@@ -91,7 +91,7 @@ def param_count(cfg: ModelConfig) -> int:
         return sum(x.size for x in jax.tree.leaves(state))
 
     def block(is_moe: bool) -> int:
-        return numel(lambda: Block(cfg, nnx.Rngs(0), jnp.float32, is_moe))
+        return numel(lambda: Block(cfg, Keys(0), jnp.float32, is_moe))
 
     n_moe = sum(is_moe_block(cfg, i) for i in range(cfg.n_layers))
     total = n_moe * block(True) if n_moe else 0
@@ -102,7 +102,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, rngs: Keys, dtype=jnp.float32):
         self.tok_emb = normal(rngs, (cfg.vocab_size, cfg.d_model), 0.02, dtype)
         learned = cfg.pos == PosKind.LEARNED
         self.pos_emb = normal(rngs, (cfg.seq_len, cfg.d_model), 0.01, dtype) if learned else None
@@ -174,7 +174,7 @@ class GPTModel:
 
     def __init__(self, cfg: ModelConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes: tuple[str, ...] = ()):
         self.cfg, self.dtype, self.seed, self.dp_axes = cfg, jnp.dtype(param_dtype), seed, tuple(dp_axes)
-        self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(seed), self.dtype)))
+        self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, Keys(seed), self.dtype)))
 
     @property
     def n_moe_blocks(self) -> int:
@@ -182,7 +182,7 @@ class GPTModel:
 
     def init(self):
         """Params (nested dict) from `seed`; call under jit with out_shardings to shard at birth."""
-        return nnx.split(GPT(self.cfg, nnx.Rngs(self.seed), self.dtype), nnx.Param)[1].to_pure_dict()
+        return nnx.split(GPT(self.cfg, Keys(self.seed), self.dtype), nnx.Param)[1].to_pure_dict()
 
     def abstract_params(self):
         return jax.eval_shape(self.init)
