@@ -23,7 +23,7 @@ class Keys:
     """The keys `nnx.Rngs(seed).params()` gives, in the same order and bits (`fold_in(key(seed), i)` for
     the i-th), counted by a Python int: nnx counts in an array, which under `jax.eval_shape` is a
     tracer, and each of its updates then reads the tracer's sharding, whose error message walks the
-    whole trace so far. Building the 405B's abstract params took 16 of `jzero.run.build_run`'s 19 s so."""
+    whole trace so far: `jzero.run.build_run` of LLaMA-3-405B took 9.8 s so, 1.6 s with this."""
 
     def __init__(self, seed: int):
         self.key, self.count = jax.random.key(seed), 0

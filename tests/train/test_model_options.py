@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_matches_reference, tiny_config
 from jzero.config import ConfigError, ModelConfig, PosKind, load_config
-from jzero.train.layers import Attention
+from jzero.train.layers import Attention, Keys
 from jzero.train.model import GPTModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,3 +137,15 @@ def test_swiglu_with_biases():
     gate, up = x @ w1[:, 0] + b1[0], x @ w1[:, 1] + b1[1]
     want = (gate / (1 + np.exp(-gate)) * up) @ w2 + b2
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_init_keys_are_nnx_rngs_keys_counted_in_python():
+    """`layers.Keys` gives the keys `nnx.Rngs(seed).params()` gives, bit for bit, so the GPT's init is
+    the one it was with nnx's counter; and under eval_shape its count is a Python int, not a tracer."""
+    for seed in (0, 7):
+        keys, rngs = Keys(seed), nnx.Rngs(seed)
+        for _ in range(3):
+            np.testing.assert_array_equal(jax.random.key_data(keys.params()), jax.random.key_data(rngs.params()))
+    traced = Keys(0)
+    jax.eval_shape(lambda: [traced.params() for _ in range(4)])
+    assert traced.count == 4
