@@ -46,12 +46,14 @@ while True:
         if b"JAX distributed service detected fatal errors" in line:
             fatal = True
             break
-        if any(part in line for part in LOST):  # the abort's first lines: held until it is known
+        # the abort's first lines, and the lines that continue one (no glog prefix: jaxlib 0.11's
+        # "=== Source Location Trace: ===" and its file lines): held until it is known
+        if any(part in line for part in LOST) or (held and not glog.match(line)):
             held += line + b"\n"
             continue
         write(held + line + b"\n")
         held = b""
-    if not fatal and pending and not glog.match(pending):
+    if not fatal and pending and not held and not glog.match(pending):
         write(pending)
         pending = b""
 write(("jzero: error: " + sys.argv[1] + "\n").encode() if fatal else held + pending)
