@@ -72,7 +72,7 @@ def _covering(cases: list[set]) -> set[int]:
     """Indices of a few `cases` (each a set of pairs) that together hold every pair any of them holds:
     the first, then again and again the one that adds the most pairs not yet held (the earliest of
     equals). Greedy set cover: the suite runs 864 tests where taking, in order, each case that adds
-    a pair ran 884, for the same pairs (the fidelity matrix 7 cases instead of 15, MoE's 6 of 10)."""
+    a pair ran 884, for the same pairs (the fidelity matrix 7 cases instead of 15, MoE's 6 instead of 10)."""
     chosen, held, every = {0}, set(cases[0]), set().union(*cases)
     while held != every:
         best = max(range(len(cases)), key=lambda i: (len(cases[i] - held), -i))
