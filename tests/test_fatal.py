@@ -6,8 +6,9 @@ import sys
 
 from jzero import fatal
 
-# A process other than 0 as jaxlib 0.11.2 ends it (recorded 2026-11-27): the preemption thread's
-# warnings, each continued by lines with no glog prefix, then the abort and its stack.
+# A process other than 0 as jaxlib 0.11.2 ends it: the preemption thread's warnings, each continued by
+# lines with no glog prefix (as 0.11.2 wrote them, 2026-11-27), then the abort (its message as
+# jzero/fatal.py quotes it; the filter dropped 0.11.2's) and the start of its stack.
 LOST_011 = b"""W1127 01:53:23.249056   13572 preemption_sync_manager.cc:147] Failed to retrieve preemption notice from coordination service: UNAVAILABLE: Stream removed (Socket closed)
 Additional GRPC error information from remote target coordination_service while calling /xla.coordination.CoordinationService/GetKeyValue:
 :UNAVAILABLE:Stream removed (Socket closed)
