@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from jzero import peers
 from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
 from jzero.zero.config import ZeroPath
@@ -255,7 +256,8 @@ def console() -> None:
 
     After a failure (already reported in one line) a failed async save or a lost peer can leave
     non-daemon threads (orbax's, JAX's) that the interpreter would wait for forever at exit, so
-    the process leaves at once. A run that succeeded exits normally (JAX's shutdown included).
+    the process leaves at once. Otherwise a process of a multi-process run leaves it first (JAX's
+    shutdown included; `jzero.peers.finish`), then exits normally.
     """
     code = main()
     stuck = any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
@@ -263,6 +265,7 @@ def console() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    peers.finish(code)
     sys.exit(code)
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 
 from jzero.config import DistributedConfig
+from jzero.errors import one_line
 
 KEY = "jzero"  # jzero's keys in JAX's key-value store (jzero.runtime's too)
 _monitor: Monitor | None = None  # this process's, once started
@@ -26,6 +27,12 @@ def progress(steps: int, phase: str) -> None:
     "save", ...). The beat thread publishes it; process 0 stops the run if none completes a step in
     `step_timeout_s`."""
     _progress.update(steps=steps, phase=phase)
+
+
+def finish(code: int) -> None:
+    """Leaves the run (if any) before the interpreter exits with `code`; see `Monitor._leave`."""
+    if _monitor is not None:
+        _monitor._leave(code)
 
 
 def leaving(what: str) -> None:
@@ -73,19 +80,21 @@ class Monitor:
         self.left: float | None = None  # when this process began to leave normally
         self.collective_failed = False
         self.gave_up = threading.Event()
+        self.stopped = threading.Event()  # set once this process has left JAX's distributed system
+        self.threads: list[threading.Thread] = []  # every thread of this monitor that calls the key-value store
         self.lock = threading.Lock()
 
     def start(self) -> None:
         global _monitor
         _monitor = self
         for fn in (self._beat, self._judge):
-            threading.Thread(target=fn, name=f"jzero{fn.__name__}", daemon=True).start()
+            self._thread(fn, f"jzero{fn.__name__}")
         atexit.register(self._leave)  # before JAX's own exit handler (shutdown barrier), registered earlier
         sys.excepthook = self._excepthook(sys.excepthook)
 
     def _beat(self) -> None:
         count, own = 0, f"{KEY}/beat/{self.me}"
-        while True:
+        while not self.stopped.is_set():
             count += 1
             try:
                 self.client.key_value_set(own, str(count), allow_overwrite=True)
@@ -100,7 +109,7 @@ class Monitor:
                     beats = {f"{KEY}/beat/0": self.client.key_value_try_get(f"{KEY}/beat/0")}
                 exits = self.client.key_value_dir_get(f"{KEY}/exit/")
             except Exception:  # no answer: the judge decides when that has gone on too long
-                time.sleep(self.interval)
+                self.stopped.wait(self.interval)
                 continue
             now = time.monotonic()
             with self.lock:
@@ -114,12 +123,11 @@ class Monitor:
                 self.answered = now
                 for key, value in progress.items():
                     self.progress[int(key.rsplit("/", 1)[1])] = json.loads(value)
-            time.sleep(self.interval)
+            self.stopped.wait(self.interval)
 
     def _judge(self) -> None:
         tick = time.monotonic()
-        while True:
-            time.sleep(self.interval)
+        while not self.stopped.wait(self.interval):
             now = time.monotonic()
             with self.lock:
                 if now - tick > 3 * self.interval + 1:  # this process was paused, not the others silent
@@ -199,15 +207,43 @@ class Monitor:
             except Exception:
                 pass
 
-        writer = threading.Thread(target=publish, daemon=True)
-        writer.start()
-        writer.join(1.0)
+        self._thread(publish, "jzero_mark").join(1.0)
 
-    def _leave(self) -> None:
-        if not self.gave_up.is_set():
-            with self.lock:
-                self.left = time.monotonic()
-            self._mark("done")
+    def _thread(self, fn, name: str) -> threading.Thread:
+        thread = threading.Thread(target=fn, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+        return thread
+
+    def _leave(self, code: int | None = None) -> None:
+        """Leaves the run: the "done" mark, JAX's shutdown barrier (watched by the judge), then
+        this monitor's threads stopped, each within a bound. Run by `finish` or at exit.
+
+        Python (before 3.14) ends a daemon thread that returns from C++ while the interpreter
+        finalizes by unwinding it, and nanobind's frames turn that unwinding into an abort
+        ("FATAL: exception not rethrown"). So no thread of this monitor may be inside a key-value
+        call by then: JAX's shutdown cancels the calls in flight, and the threads are joined. One
+        still alive after its bound leaves the process at once with `code` (when known).
+        """
+        if self.gave_up.is_set() or self.stopped.is_set():
+            return
+        with self.lock:
+            self.left = time.monotonic()
+        self._mark("done")
+        import jax
+
+        try:
+            jax.distributed.shutdown()  # what JAX's own exit handler does next; a no-op there after this
+        except Exception as e:  # its barrier failed: a peer is gone (the judge may have said which already)
+            say(f"leaving the run: {one_line(e)}")
+        self.stopped.set()
+        end = time.monotonic() + self.interval + 2
+        for thread in self.threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        if code is not None and any(t.is_alive() for t in self.threads):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
     def _excepthook(self, previous):
         """A JAX runtime error in the main thread (a collective whose peer is gone) waits for the

@@ -164,6 +164,32 @@ def test_a_coordinator_port_in_use_is_reported_at_once(tmp_path):
     assert seconds < IMPORT_S
 
 
+LEAVES = """
+import atexit, sys, threading
+
+# Registered before JAX is imported, so it runs after JAX's exit handler, as the interpreter finalizes.
+atexit.register(lambda: print(*(t.name for t in threading.enumerate() if t.name.startswith("jzero"))))
+
+import jax
+from jax._src import distributed
+from jzero import peers
+from jzero.config import DistributedConfig
+
+jax.distributed.initialize(sys.argv[1], num_processes=1, process_id=0)
+peers.Monitor(distributed.global_state.client, 0, 1, sys.argv[1], DistributedConfig()).start()
+"""
+
+
+def test_no_monitor_thread_outlives_the_exit_handlers():
+    """Python ends a daemon thread that returns from C++ while it finalizes by unwinding it, and
+    nanobind aborts on that ("FATAL: exception not rethrown", SIGABRT): once in CI, a process of a
+    two-process run whose beat thread was in a key-value call to process 0 (gone) as it exited."""
+    script = subprocess.run([sys.executable, "-c", LEAVES, f"127.0.0.1:{_free_port()}"], env=ENV, text=True,
+                            capture_output=True, timeout=STARTUP_S)
+    assert script.returncode == 0 and not _lines(script.stderr), script.stderr[-3000:]
+    assert script.stdout == "\n"  # no thread named jzero*
+
+
 def _wait_for_steps(out: Path, steps: int, procs: list[subprocess.Popen]) -> None:
     """Until `out` holds `steps` steps' metrics; if none come within the bound, or a process ends, the
     processes are killed (a failed test leaves nothing running: a stuck pair once outlived its test)."""
