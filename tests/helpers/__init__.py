@@ -332,13 +332,22 @@ def matrix(meshes) -> list:
     ]
 
 
+def default_codegen() -> bool:
+    """Whether XLA:CPU runs its default code generation in this process, not the suite's faster one
+    (tests/conftest.py), under which two differently fused programs may round differently in the last bit."""
+    return "xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "")
+
+
 def assert_matches_reference(cfg, devices=None) -> list[dict]:
     """Trains STEPS steps of `cfg` and checks them against the reference; returns each step's metrics."""
     ref_init, ref_losses, ref_norms, ref_params = reference_run(cfg)
     record = []
     _, init, losses, norms, state = run_steps(cfg, devices=devices, record=record)
     for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(ref_init)):
-        np.testing.assert_array_equal(a, b)  # sharded init is bitwise the unsharded init
+        if default_codegen():
+            np.testing.assert_array_equal(a, b)  # sharded init is bitwise the unsharded init
+        else:  # the suite's faster code generation: bitwise in test_sharded_init_is_bitwise_the_unsharded_init
+            np.testing.assert_allclose(a, b, rtol=1e-6)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
     errors = rel_param_errors(state.params, ref_params)

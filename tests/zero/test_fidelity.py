@@ -7,9 +7,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from jax.sharding import SingleDeviceSharding
 
-from helpers import PATHS, STEPS, assert_matches_reference, grouped_loss, matrix, tiny_config
+from helpers import MOE, PATHS, STEPS, assert_matches_reference, grouped_loss, init_state, matrix, tiny_config
 from jzero.train.loop import setup
+from jzero.train.model import GPTModel
 
 # (dp, ep, tp); dense params on ep > 1 meshes, (2, 2, 2) and (4, 2, 1), are in test_moe.py's MoE
 # model, whose attention, embeddings, router and dense block are data-parallel over dp x ep.
@@ -54,6 +56,29 @@ def test_dp_not_a_power_of_two(strategy, mesh, microbatches, path):
 def test_flat_multi_bucket_matches():
     cfg = tiny_config("optim_grads", (4, 1, 2), 2, zero={"path": "flat", "bucket_size": 5000})
     assert_matches_reference(cfg)
+
+
+@pytest.mark.default_codegen
+@pytest.mark.slow
+def test_sharded_init_is_bitwise_the_unsharded_init():
+    """jzero's init program, whatever the path, strategy, mesh and buckets, makes the params bitwise as
+    the model's init alone on one device does (the fidelity tests check it to rounding under the
+    suite's faster code generation, where the flat cases below differ in the last bit)."""
+    cases = [
+        (tiny_config("optim_grads", (6, 1, 1), 2, zero={"path": "flat"}, train={"global_batch": 12}), 6),
+        (tiny_config("optim_grads", (6, 1, 1), 1, zero={"path": "spec"}, train={"global_batch": 12}), 6),
+        (tiny_config("optim_grads", (4, 1, 2), 2, zero={"path": "flat", "bucket_size": 5000}), 8),
+        (tiny_config("optim", (4, 1, 1), zero={"path": "flat", "offload_fraction": 0.5, "bucket_size": 5000}), 4),
+        (tiny_config("optim_grads_params", (8, 1, 1), zero={"path": "flat"}), 8),
+        (tiny_config("optim", (2, 2, 2), zero={"path": "spec"}, model={"moe": MOE}), 8),
+    ]
+    for cfg, n in cases:
+        run = setup(cfg, jax.devices()[:n])
+        init = jax.device_get(run.zero.full_params(init_state(run).params))
+        model = GPTModel(cfg.model, seed=cfg.train.seed)
+        alone = jax.jit(model.init, out_shardings=SingleDeviceSharding(jax.devices()[0]))()
+        for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(jax.device_get(alone)), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{cfg.zero} on {cfg.mesh}")
 
 
 @pytest.mark.parametrize("path", PATHS)
