@@ -207,12 +207,15 @@ class Monitor:
             except Exception:
                 pass
 
-        self._thread(publish, "jzero_mark").join(1.0)
+        try:
+            self._thread(publish, "jzero_mark").join(1.0)
+        except RuntimeError:  # at exit Python 3.12+ starts no thread: from this one, as JAX's shutdown next calls
+            publish()
 
     def _thread(self, fn, name: str) -> threading.Thread:
         thread = threading.Thread(target=fn, name=name, daemon=True)
-        self.threads.append(thread)
         thread.start()
+        self.threads.append(thread)
         return thread
 
     def _leave(self, code: int | None = None) -> None:
