@@ -55,15 +55,18 @@ def _reduce_scatter(c, static: Traffic, theory: Theory) -> list[str]:
     if not theory.by_kind.get("reduce-scatter") or static.dp_wire_bytes_by_kind.get("reduce-scatter"):
         return []
     if c.target == CPU:
-        why = "XLA:CPU has no reduce-scatter pass, docs/xla.md; --path flat or a GPU target shows it"
+        why = (
+            "XLA:CPU has no reduce-scatter pass, docs/xla.md; zero.overlap_grad_reduce (the default), --path flat "
+            "or a GPU target shows it"
+        )
     elif c.run.zero.plan.hsdp:
         why = (
             "XLA:GPU too: under HSDP the spec path sums the grads over the whole DP domain into a sharding "
-            "split over the inner axes only, which XLA does not turn into a reduce-scatter; --path flat "
-            "reduces hierarchically"
+            "split over the inner axes only, which XLA does not turn into a reduce-scatter; "
+            "zero.overlap_grad_reduce (the default) or --path flat reduces hierarchically"
         )
     else:
-        why = "XLA kept the all-reduce; --path flat shows the reduce-scatter"
+        why = "XLA kept the all-reduce; zero.overlap_grad_reduce (the default) or --path flat shows the reduce-scatter"
     return [f"no reduce-scatter: the grads are all-reduced in full, then each rank slices its shard ({why})"]
 
 
