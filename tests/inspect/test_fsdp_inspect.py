@@ -136,6 +136,28 @@ def test_hsdp_zero1_with_overlap_reduces_inner_then_across_dp_outer(outer):
     assert in_loop(doc, "reduce-scatter")  # per unit, in the backward's layer loop
 
 
+def test_hsdp_ddp_with_overlap_is_a_hierarchical_all_reduce():
+    """DDP on dp_outer=2 x dp=4 with overlap_grad_reduce (the default): each grad is reduce-scattered
+    over dp in the backward, its 1/d_i all-reduced across dp_outer and all-gathered back over dp: DDP's
+    bytes, 2(d-1)/d G, of which only G/d_i crosses dp_outer. Without overlap XLA all-reduces over all
+    8 in one collective (the same bytes) and a note says so."""
+    doc = hlo_doc("no_shard", 2, overlap=True)
+    th = doc["theory"]
+    g, d, d_i, d_o = th["grad_bytes"], 8, 4, 2
+    assert per_step(doc, "reduce-scatter", ["dp"]) == pytest.approx((d_i - 1) / d_i * g)
+    assert per_step(doc, "all-reduce", ["dp_outer"]) == pytest.approx(2 * (d_o - 1) / d_o * g / d_i)
+    assert per_step(doc, "all-gather", ["dp"]) == pytest.approx((d_i - 1) / d_i * g)
+    assert per_step(doc, "all-reduce", ["dp_outer", "dp"]) < 128  # the loss and grad-norm scalars
+    assert th["wire_bytes"] == pytest.approx(2 * (d - 1) / d * g)
+    assert th["formula"] == "(d_i-1)/d_i*(G + G) + 2(d_o-1)/d_o*G/d_i"
+    assert_theory(doc)
+    assert in_loop(doc, "reduce-scatter") and in_loop(doc, "all-gather")  # per unit, in the backward
+    off = hlo_doc("no_shard", 2)
+    assert per_step(off, "all-reduce", ["dp_outer", "dp"]) == pytest.approx(2 * (d - 1) / d * g, abs=128)
+    assert round(off["ratio"], 3) == 1.0
+    assert any(n.startswith("no reduce-scatter: DDP's grads are all-reduced") for n in off["notes"])
+
+
 @pytest.mark.parametrize(
     "strategy, dp_outer, outer",
     [("optim_grads_params", 1, "no_shard"), ("optim_grads_params", 2, "no_shard"), ("optim_grads_params", 2, "optim"),

@@ -35,7 +35,8 @@ def _dtypes(c, rows: list[CollectiveRow]) -> list[str]:
     out = []
     param_dtype = c.cfg.precision.param_dtype.value
     gathered = {d for r in rows if r.kind == "all-gather" and hlo.is_dp_traffic(r.kind, r.axes) for d in r.dtypes}
-    if param_dtype != "float32" and "f32" in gathered and c.cfg.zero.param_gather_dtype is None:  # else: the scales
+    gathers_params = c.run.zero.plan.shards_state  # DDP's all-gathers (under HSDP) move reduced grads
+    if param_dtype != "float32" and "f32" in gathered and gathers_params and c.cfg.zero.param_gather_dtype is None:
         out.append(
             f"the params are all-gathered in f32, not {param_dtype}: XLA:CPU promotes bf16 collectives to f32 "
             "(ZeRO-3's gathers of the bf16 params too) or gathers the fp32 main params and casts after; XLA:GPU "
@@ -54,6 +55,12 @@ def _reduce_scatter(c, static: Traffic, theory: Theory) -> list[str]:
     """The theory reduce-scatters what the program all-reduces."""
     if not theory.by_kind.get("reduce-scatter") or static.dp_wire_bytes_by_kind.get("reduce-scatter"):
         return []
+    if not c.run.zero.plan.shards_state:  # DDP under HSDP
+        return [
+            "no reduce-scatter: DDP's grads are all-reduced over the whole DP domain in one collective, not "
+            "hierarchically (the same bytes per device, in one collective spanning dp_outer); zero.overlap_grad_reduce "
+            "(the default) reduces inside the inner axes, then across dp_outer"
+        ]
     if c.target == CPU:
         why = (
             "XLA:CPU has no reduce-scatter pass, docs/xla.md; zero.overlap_grad_reduce (the default), --path flat "

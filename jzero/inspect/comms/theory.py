@@ -26,11 +26,15 @@ HSDP (dp_outer = d_o > 1; inner DP d_i = d / d_o): the grads reduce-scatter over
 axes, (d_i-1)/d_i G, then across dp_outer either all-reduce their 1/d_i, 2(d_o-1)/d_o G/d_i
 (`zero.outer_strategy: no_shard`), or reduce-scatter it, (d_o-1)/d_o G/d_i (`optim`); the params
 are all-gathered over the inner axes, (d_i-1)/d_i P (ZeRO-1/2 after the step, ZeRO-3 per unit as
-above), and under `optim` first across dp_outer, (d_o-1)/d_o P/d_i, after the step. The spec path
-lets XLA pick DDP's and ZeRO-1's collectives (one sum over the whole domain); the theory is the
-same hierarchy. ZeRO-1/2 under `optim` move the flat formulas' bytes; under `no_shard` the outer
-all-reduce costs (d_o-1)/d_o G/d_i more and no params are gathered across dp_outer, (d_o-1)/d_o
-P/d_i less. ZeRO-3's per-unit gathers span the inner axes only.
+above), and under `optim` first across dp_outer, (d_o-1)/d_o P/d_i, after the step. ZeRO-1/2
+under `optim` move the flat formulas' bytes; under `no_shard` the outer all-reduce costs
+(d_o-1)/d_o G/d_i more and no params are gathered across dp_outer, (d_o-1)/d_o P/d_i less.
+ZeRO-3's per-unit gathers span the inner axes only. The spec path's DDP all-reduce is the same
+hierarchy: reduce-scatter G over the inner axes, all-reduce G/d_i across dp_outer, all-gather the
+reduced G over the inner axes; 2(d-1)/d G in all, DDP's bytes, of which 1/d_i crosses dp_outer.
+The flat path's DDP is Megatron's one all-reduce over the whole domain (Megatron pads no DDP
+buffer to split over DP). With `zero.overlap_grad_reduce: false` the spec path lets XLA pick
+DDP's and ZeRO-1's collectives (one sum over the whole domain); the theory is the same hierarchy.
 
 ZeRO-1 is Megatron's distributed optimizer: the full local grad buffer accumulates over the
 micro-batches and is reduce-scattered once, after the last; with G = P (fp32 params and grads)
@@ -62,7 +66,7 @@ from jzero.inspect import hlo
 from jzero.inspect.comms.records import DomainTheory, Term, Theory, Tokens
 from jzero.mesh import OUTER_AXIS, axes_size
 from jzero.zero.common.strategies import spec_axes
-from jzero.zero.config import OuterStrategy, ShardingStrategy
+from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroPath
 from jzero.zero.flat import quantize
 from jzero.zero.memory import DOMAIN_NAMES
 
@@ -109,7 +113,13 @@ def _terms(c, axes: tuple[str, ...], g: float, p: float, p_unit: float, sym: _Sy
     outer_scatter = bool(outer) and cfg.zero.outer_strategy == OuterStrategy.OPTIM
     n_sym, per_i = (sym.d if not outer else sym.d_i), f"/{sym.d_i}"
     if strategy == ShardingStrategy.NO_SHARD:
-        return [_term("all-reduce", axes, d, "grads", g, 1, sym.G, sym.d)]
+        if not outer or cfg.zero.path == ZeroPath.FLAT:
+            return [_term("all-reduce", axes, d, "grads", g, 1, sym.G, sym.d)]
+        return [  # the spec path's hierarchical all-reduce (module docstring)
+            _term("reduce-scatter", inner, d_i, "grads", g, 1, sym.G, sym.d_i),
+            _term("all-reduce", outer, d_o, "grads", g / d_i, 1, sym.G + per_i, sym.d_o),
+            _term("all-gather", inner, d_i, "reduced grads", g, 1, sym.G, sym.d_i),
+        ]
     g_runs = 1 if strategy == ShardingStrategy.OPTIM else micro
     terms = [_term("reduce-scatter", inner, d_i, "grads", g, g_runs, sym.G, n_sym)]
     if outer:

@@ -30,7 +30,10 @@ spec path's step each param of a unit arrives as a `UnitParam`, a pytree of arra
 `unit` materializes each param (an all_gather over the inner DP axes where it rests sharded),
 runs `fn`, and in backward reduces the param's grad: DDP all-reduces it over its DP domain; the
 ZeRO stages reduce-scatter it over the inner DP axes, then all-reduce it across `dp_outer` (HSDP,
-outer_strategy no_shard) or reduce-scatter it there too (outer_strategy optim). With
+outer_strategy no_shard) or reduce-scatter it there too (outer_strategy optim). DDP under HSDP
+reduces the same way (reduce-scatter inside, all-reduce across dp_outer) and all-gathers the
+reduced shard back over the inner axes (`Hook.regather`): the all-reduce's bytes, of which only
+1/d_i crosses dp_outer. With
 `reshard_after_forward` (ZeRO-3) the gathered params are not kept for backward
 (`RESHARD_POLICY`): they are gathered again when the unit's backward runs, as FSDP2 does.
 Params outside every unit (embeddings, final norm, head) are materialized by the step before the
@@ -55,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10-0.11: all_gather typed invariant
 from jax.extend.core import get_opaque_trace_state
 
 from jzero.errors import ConfigError
@@ -73,8 +77,8 @@ class Hook:
 
     Attributes:
       dim: the shard dim counted from the end (so slicing stacked layers leaves it unchanged),
-        None if the grad is not split over DP (it is then all-reduced: DDP, or a param with no
-        divisible dim).
+        None if the grad is not split over DP (it is then all-reduced in one psum: DDP without
+        HSDP, or a param with no divisible dim).
       inner: the DP axes the value (when `gather`) and the first grad reduce-scatter span.
       outer: the replica axes across which the inner-reduced grad is then reduced.
       outer_scatter: reduce-scatter across `outer` (HSDP optim) instead of all-reducing.
@@ -84,6 +88,9 @@ class Hook:
       scale: Megatron's gradient scaling factor, 1 / (DP size x microbatches).
       reduce_dtype: the dtype of the grad reduction (`precision.grad_reduce_dtype`).
       reshard: ZeRO-3's `reshard_after_forward`.
+      regather: DDP under HSDP: the grad, reduce-scattered on `dim` over `inner` and all-reduced across
+        `outer`, is all-gathered back over `inner` (typed invariant, as the whole reduced grad DDP's
+        sink is): a hierarchical all-reduce.
       tp_spec: the param's model-parallel spec over the axes XLA partitions (tp), one entry per
         dim, or None if tp splits no dim but (jointly) the shard dim. The collectives run in a
         shard_map manual over those axes too, on each tp rank's block: XLA would otherwise
@@ -107,6 +114,7 @@ class Hook:
     scale: float
     reduce_dtype: str
     reshard: bool
+    regather: bool = False
     tp_spec: tuple | None = None
     reduce: bool = True
     extract: bool = False
@@ -180,6 +188,8 @@ def _reduce(hook: Hook, g: jax.Array) -> jax.Array:
         return jax.lax.psum(g, hook.inner + hook.outer)
     dim = g.ndim + hook.dim
     g = jax.lax.psum_scatter(g, hook.inner, scatter_dimension=dim, tiled=True)
+    if hook.regather:
+        return all_gather_invariant(jax.lax.psum(g, hook.outer), hook.inner, axis=dim, tiled=True)
     if hook.outer and hook.outer_scatter:
         return jax.lax.psum_scatter(g, hook.outer, scatter_dimension=dim, tiled=True)
     return jax.lax.psum(g, hook.outer) if hook.outer else g

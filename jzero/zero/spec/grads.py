@@ -7,7 +7,9 @@ zero "sinks" shaped like what each grad becomes, so every param's grad is scaled
 its `units.Hook` the moment its backward is done: a unit's inside the layer loop, the head's early
 in the backward, the embedding's at its end (Megatron's `overlap_grad_reduce`). DDP all-reduces
 each grad over its DP domain; ZeRO-1/2/3 reduce-scatter it (psum_scatter over the inner DP axes,
-then reduced across dp_outer under HSDP), so no rank holds the whole reduced gradient.
+then reduced across dp_outer under HSDP), so no rank holds the whole reduced gradient. Under HSDP
+DDP's all-reduce is hierarchical too: reduce-scatter over the inner axes, all-reduce across
+dp_outer, all-gather over the inner axes (a param with no dim divisible by d_i: one psum).
 
 Micro-batches follow Megatron:
   ZeRO-2/3: every micro-batch reduce-scatters into the sharded accumulator.
@@ -57,16 +59,20 @@ def unit_hooks(plan: ShardingPlan, options: StepOptions, reshard_after_forward: 
         gather = phase.gather and t.shard_dim is not None and plan.params_rest_sharded
         value_spec = t.local_grad_spec if phase.stacked else plan.param_spec(t) if phase.gather else t.tp_spec
         varying = set(spec_axes(restrict(value_spec, BATCH_AXES))) | (set(t.inner_axes) if gather else set())
+        outer = tuple(a for a in t.dp_axes if a not in t.inner_axes)
+        # DDP under HSDP: a hierarchical all-reduce on the shard dim
+        regather = not plan.shards_state and bool(outer) and t.shard_dim is not None
         return Hook(
-            dim=None if t.shard_dim is None or not plan.shards_state else t.shard_dim - len(t.shape),
+            dim=t.shard_dim - len(t.shape) if plan.shards_state and t.shard_dim is not None or regather else None,
             inner=t.inner_axes,
-            outer=tuple(a for a in t.dp_axes if a not in t.inner_axes),
+            outer=outer,
             outer_scatter=OUTER_AXIS in t.shard_axes,
             gather=gather,
             to_varying=tuple(a for a in BATCH_AXES if a not in varying),
             scale=scale,
             reduce_dtype=jnp.dtype(options.grad_reduce_dtype).name,
             reshard=gather and reshard_after_forward and plan.shards_params,
+            regather=regather,
             tp_spec=_tp_only(plan, t),
             reduce=phase.reduce,
             extract=phase.extract,

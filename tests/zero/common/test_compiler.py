@@ -75,3 +75,15 @@ def test_the_spec_path_combines_a_layers_collectives(strategy, path):
         "gathers" if strategy == "optim_grads_params" else "reductions"]  # fmt: skip
     assert options == {**pipeline_options(mesh.devices.flat[0]), **want,
                        "xla_gpu_enable_while_loop_double_buffering": True}  # fmt: skip
+
+
+@needs_gpu_plugin
+@pytest.mark.parametrize("path", ["spec", "flat"])
+def test_ddp_under_hsdp_combines_its_three_collectives(path):
+    """The spec path's DDP under HSDP reduces by a reduce-scatter, an all-reduce and an all-gather per
+    grad: all three kinds combined; the flat path's DDP (one all-reduce per bucket) keeps XLA's."""
+    mesh = gpu_mesh("h100", "2 x 1 x 8", (2, 8), ("dp_outer", "dp"))
+    options = step_compiler_options(mesh, ZeroConfig(strategy="no_shard", path=path), 1)
+    want = COMBINE["hierarchical"] if path == "spec" else {}
+    assert options == {**pipeline_options(mesh.devices.flat[0]), **want,
+                       "xla_gpu_enable_while_loop_double_buffering": True}  # fmt: skip

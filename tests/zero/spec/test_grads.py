@@ -39,11 +39,13 @@ def assert_matches(cfg):
         ("optim_grads", 2, (4, 1, 2), 1, SCAN, True),  # ZeRO-2: gathered once, reduced every micro-batch
         ("no_shard", 3, (8, 1, 1), 1, SCAN, True),  # DDP: all-reduced per unit in the last backward
         ("optim", 2, (4, 1, 1), 2, {}, True),  # HSDP: inside dp, then across dp_outer, per unit
+        ("no_shard", 2, (2, 1, 2), 2, SCAN, True),  # DDP under HSDP: hierarchical all-reduce, tp-local blocks
         ("optim", 2, (8, 1, 1), 1, SCAN, False),  # overlap off: the reduction after the backward
         ("optim_grads", 2, (4, 1, 2), 1, SCAN, False),
         ("no_shard", 1, (8, 1, 1), 1, {}, False),
     ],
-    ids=["zero1-3mb-scan", "zero2-2mb-tp2-scan", "ddp-3mb-scan", "zero1-hsdp", "off-zero1", "off-zero2", "off-ddp"],
+    ids=["zero1-3mb-scan", "zero2-2mb-tp2-scan", "ddp-3mb-scan", "zero1-hsdp", "ddp-hsdp-tp2-scan", "off-zero1",
+         "off-zero2", "off-ddp"],  # fmt: skip
 )
 @pytest.mark.matrix
 def test_every_schedule_matches_single_device_optax(strategy, microbatches, mesh, dp_outer, model, overlap):
@@ -113,9 +115,10 @@ def test_zero2_reduce_scatters_every_micro_batch(target):
 
 
 def test_hooks_follow_the_phase():
-    """`unit_hooks`: DDP all-reduces (no shard dim), ZeRO-1 reduce-scatters on the plan's shard dim;
-    a micro-batch that only accumulates reduces nothing; only params resting sharded are gathered,
-    and ZeRO-1/2 keep what they gathered for the backward (ZeRO-3 gathers again)."""
+    """`unit_hooks`: DDP all-reduces (no shard dim; under HSDP hierarchically, on the shard dim), ZeRO-1
+    reduce-scatters on the plan's shard dim; a micro-batch that only accumulates reduces nothing; only
+    params resting sharded are gathered, and ZeRO-1/2 keep what they gathered for the backward (ZeRO-3
+    gathers again)."""
     from jzero.zero.spec.grads import Phase, unit_hooks
 
     def hooks(strategy, phase, **zero):
@@ -123,7 +126,13 @@ def test_hooks_follow_the_phase():
         return jax.tree.leaves(unit_hooks(run.zero.plan, run.zero.options, True, phase)), run.zero.plan
 
     ddp, _ = hooks("no_shard", Phase(gather=False, reduce=True))
-    assert all(h.dim is None and h.reduce and not h.gather for h in ddp)
+    assert all(h.dim is None and h.reduce and not h.gather and not h.regather for h in ddp)
+    cfg = tiny_config("no_shard", (4, 1, 1))
+    run = setup(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=2)))
+    hsdp = jax.tree.leaves(unit_hooks(run.zero.plan, run.zero.options, True, Phase(gather=False, reduce=True)))
+    tensors = jax.tree.leaves(run.zero.plan.tensors)
+    assert all(h.regather == (h.dim is not None) == (t.shard_dim is not None) for h, t in zip(hsdp, tensors))
+    assert any(h.regather for h in hsdp) and all(h.outer == ("dp_outer",) and "dp" in h.inner for h in hsdp)
     zero1, plan = hooks("optim", Phase(gather=True, reduce=False, extract=True))
     tensors = jax.tree.leaves(plan.tensors)
     assert all((h.dim is None) == (t.shard_dim is None) for h, t in zip(zero1, tensors))
