@@ -32,8 +32,9 @@ micro-batch loop is kept whole by one (`schedule._accumulate`). DDP under HSDP r
 a chain of three (reduce-scatter inside, all-reduce across dp_outer, all-gather inside;
 `units.Hook.regather`), and all three kinds are combined up to 1 GiB: LLaMA-2-7B cut to 8 layers (the
 32-layer model does not fit under DDP) on 2 hosts x 8 H100, exposed comm 32.4 ms uncombined, 25.1 ms
-with the reduce-scatters combined, 22.2 ms with all three, against 243 ms for the one all-reduce
-over the whole domain it replaces (its bytes all on the 50 GB/s links between hosts; `jzero hlo`).
+with the reduce-scatters combined, 22.2 ms with all three, against 244 ms for per-unit all-reduces
+over the whole domain (the flat path's DDP; their bytes on the 50 GB/s links between hosts;
+`jzero hlo`, docs/fsdp.md).
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
