@@ -73,11 +73,19 @@ def zero2_on(path: str) -> list[str]:
             "--set", "mesh.tp=2"]
 
 
-@pytest.mark.parametrize("path", ["flat"])  # spec: test_a_checkpoint_moves_from_two_processes_to_one_and_back
+# DDP under HSDP, dp_outer 2 x dp 2 x tp 2: its hierarchical all-reduce (spec path) runs across dp_outer,
+# between the processes, and inside dp, within each.
+DDP_HSDP = ["--set", "zero.strategy=no_shard", "--set", "mesh.dp_outer=2", "--set", "mesh.dp=2", "--set", "mesh.tp=2"]
+
+
+@pytest.mark.parametrize(  # spec ZeRO-2: test_a_checkpoint_moves_from_two_processes_to_one_and_back
+    "sets", [zero2_on("flat"), DDP_HSDP], ids=["zero2-flat", "ddp-hsdp-spec"]
+)
 @pytest.mark.slow
-def test_launch_two_processes_train_like_one(path, tmp_path):
-    """ZeRO-2 on 2 processes x 4 CPU devices (dp 4 x tp 2, across processes) = 1 process x 8 devices."""
-    sets = [*zero2_on(path), "--set", "train.steps=5"]
+def test_launch_two_processes_train_like_one(sets, tmp_path):
+    """2 processes x 4 CPU devices (DP across the processes) = 1 process x 8 devices: ZeRO-2 on dp 4 x
+    tp 2, and DDP under HSDP."""
+    sets = [*sets, "--set", "train.steps=5"]
     assert main(["train", "--out", str(tmp_path / "single"), *TINY, *sets]) == 0
     single = [json.loads(x) for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
 
