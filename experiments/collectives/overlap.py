@@ -1,6 +1,6 @@
 """How much DP communication does each ZeRO stage leave exposed, with Megatron's overlap off and on?
 
-    python experiments/collectives/overlap.py [--paths spec,flat] [--setups 7b-m1,7b-m8,70b,70b-m8]
+    python experiments/collectives/overlap.py [--paths spec,flat] [--setups 7b-m1,7b-m8,70b,70b-m8] [--out overlap]
 
 Compiles (runs nothing) the train step of every strategy, deviceless for H100 pods, once with
 `zero.overlap_grad_reduce: false` (the step as before overlap: grads reduced after the whole
@@ -11,10 +11,12 @@ inside the backward, params gathered inside the next forward), and reads from ea
 (`jzero/inspect/timing.py`), the compiled temp peak, the device's peak (arguments + outputs -
 aliased + temp, as `jzero memory` reads it: with `overlap_param_gather` the params rest sharded, so
 what the arguments no longer hold, the gathered params, is temp) and the compile time. Setups: LLaMA-2-7B on
-8 H100s (one host) and LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host), each at 1 and 8 micro-batches.
-Writes `overlap.json` (one `jzero hlo --json` document per setup, path and overlap) and
-`overlap.md` (the table of experiments/collectives/README.md). About 13 minutes on 2 CPU cores
-for both paths; needs `.[gpu-aot]`.
+8 H100s (one host) and LLaMA-2-70B on 64 H100s (8 hosts, tp 8 in a host), each at 1 and 8 micro-batches;
+`7b-hsdp`, `7b-hsdp-m8` and `7b-8l-hsdp` (not by default): LLaMA-2-7B at 1 and 8 micro-batches, and cut
+to 8 layers so that DDP fits too, on 2 hosts x 8 H100s under HSDP (dp_outer 2 x dp 8; `--out
+overlap_hsdp` for the README's HSDP table). Writes `<out>.json` (one `jzero hlo --json` document per setup, path
+and overlap) and `<out>.md` (the tables of experiments/collectives/README.md; `--out overlap` by
+default). About 13 minutes on 2 CPU cores for both paths and the default setups; needs `.[gpu-aot]`.
 """
 
 import argparse
@@ -42,6 +44,11 @@ SETUPS = {  # key: (label, config, overrides, topology)
     "7b-m8": ("LLaMA-2-7B, 8 H100, M=8", LLAMA7, ["train.microbatches=8", "train.global_batch=64"], "1 x 1 x 8"),
     "70b": ("LLaMA-2-70B, 64 H100, M=1", LLAMA70, [], "8 x 1 x 8"),
     "70b-m8": ("LLaMA-2-70B, 64 H100, M=8", LLAMA70, ["train.microbatches=8", "train.global_batch=64"], "8 x 1 x 8"),
+    "7b-hsdp": ("LLaMA-2-7B, HSDP 2 x 8 H100, M=1", LLAMA7, ["mesh.dp_outer=2", "train.global_batch=16"], "2 x 1 x 8"),
+    "7b-hsdp-m8": ("LLaMA-2-7B, HSDP 2 x 8 H100, M=8", LLAMA7,
+                   ["mesh.dp_outer=2", "train.microbatches=8", "train.global_batch=128"], "2 x 1 x 8"),
+    "7b-8l-hsdp": ("LLaMA-2-7B, 8 layers, HSDP 2 x 8 H100, M=1", LLAMA7,
+                   ["model.n_layers=8", "mesh.dp_outer=2", "train.global_batch=16"], "2 x 1 x 8"),
     "tiny": ("tiny GPT, 8 H100, M=2", None, ["train.microbatches=2"], "1 x 1 x 8"),  # a quick try, not default
 }
 DEFAULT_SETUPS = "7b-m1,7b-m8,70b,70b-m8"
@@ -92,7 +99,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--paths", default="spec", help="comma-separated zero.path values (default spec)")
     p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated, of {','.join(SETUPS)}")
+    p.add_argument("--out", default="overlap", help="file name (no suffix) of the .json and .md written here")
     args = p.parse_args()
+    if Path(args.out).name != args.out or not args.out:
+        p.error(f"--out {args.out!r}: a file name, written in {HERE}")
     start()
     results, lines = {}, [HEADER]
     for key in args.setups.split(","):
@@ -111,10 +121,10 @@ def main() -> int:
                 lines.append(row(label, path, s, off.get("strategies", {}).get(s), on["strategies"][s]))
                 print(lines[-1], flush=True)
             print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    (HERE / "overlap.json").write_text(json.dumps(results, indent=1) + "\n")
-    (HERE / "overlap.md").write_text("\n".join(lines) + "\n")
+    (HERE / f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (HERE / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"wrote {HERE / 'overlap.json'}, overlap.md", file=sys.stderr)
+    print(f"wrote {HERE / args.out}.json, {args.out}.md", file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,19 @@ with the reduce-scatters combined, 22.2 ms with all three, against 244 ms for pe
 over the whole domain (the flat path's DDP; their bytes on the 50 GB/s links between hosts;
 `jzero hlo`, docs/fsdp.md).
 
+Under HSDP (`mesh.dp_outer > 1`) the grads are all-reduced across dp_outer alone, between hosts,
+after the reduce-scatter inside (`zero.outer_strategy: no_shard`; the spec path's DDP too), and the
+pipeliner's moving that all-reduce into the next layer's iteration leaves more of the step waiting
+on the network, not less: there the all-reduces are not pipelined and the loop is not double
+buffered. LLaMA-2-7B on 2 hosts x 8 H100s, dp_outer 2 x dp 8, `jzero hlo`'s exposed comm per step,
+pipelined -> not: ZeRO-1/2 56 -> 15 ms, ZeRO-3 87 -> 56 ms, and 25 ms without the double buffering
+too; at 8 micro-batches ZeRO-1 58 -> 15, ZeRO-2 442 -> 87, ZeRO-3 774 -> 182 ms; the 7B cut to 8
+layers under DDP 22 -> 15 ms with both off. Under `outer_strategy: optim` (reduce-scatters across
+dp_outer) it changes little (ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay
+where they span the whole DP domain: DDP on one host (the 8-layer 7B on 8 H100s: 14.0 ms exposed,
+16.8 without) and the flat path's DDP under HSDP, Megatron's one all-reduce per bucket (244 ms with,
+282 without). experiments/collectives/README.md, "HSDP", has the tables.
+
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
 stay theirs. XLA renamed the pipeliner's options (openxla/xla#45836): jaxlib 0.10.2 knows the
@@ -100,9 +113,13 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
     device = mesh.devices.flat[0]
     if device.platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
         return {}
-    options = {**pipeline_options(device), "xla_gpu_enable_while_loop_double_buffering": microbatches == 1}
+    hsdp = mesh.shape.get(OUTER_AXIS, 1) > 1
+    # the grads are all-reduced across dp_outer alone, a hierarchy's last step: not pipelined (docstring)
+    across = hsdp and (config.path == ZeroPath.SPEC or config.shards_state)
+    pipeline = {k: v for k, v in pipeline_options(device).items() if not (across and k.endswith("all_reduce"))}
+    options = {**pipeline, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1 and not across}
     if config.path == ZeroPath.SPEC and config.shards_state:
         options |= COMBINE["gathers" if config.shards_params else "reductions"]
-    elif config.path == ZeroPath.SPEC and mesh.shape.get(OUTER_AXIS, 1) > 1:  # DDP under HSDP
+    elif config.path == ZeroPath.SPEC and hsdp:  # DDP under HSDP
         options |= COMBINE["hierarchical"]
     return options
