@@ -43,7 +43,10 @@ on the network, not less: there the all-reduces are not pipelined and the loop i
 buffered. LLaMA-2-7B on 2 hosts x 8 H100s, dp_outer 2 x dp 8, `jzero hlo`'s exposed comm per step,
 pipelined -> not: ZeRO-1/2 56 -> 15 ms, ZeRO-3 87 -> 56 ms, and 25 ms without the double buffering
 too; at 8 micro-batches ZeRO-1 58 -> 15, ZeRO-2 442 -> 87, ZeRO-3 774 -> 182 ms; the 7B cut to 8
-layers under DDP 22 -> 15 ms with both off. Under `outer_strategy: optim` (reduce-scatters across
+layers under DDP 22 -> 15 ms with both off. On the spec path, where each param's grad is all-reduced
+across dp_outer by its own collective, those all-reduces are then combined up to 1 GiB too
+(`COMBINE["across"]`; at about the same temp peak): ZeRO-1/2 15.5 -> 9.0 ms, ZeRO-3 25.4 -> 23.8, at
+8 micro-batches ZeRO-2 87 -> 43.5 and ZeRO-3 182 -> 169 ms. Under `outer_strategy: optim` (reduce-scatters across
 dp_outer) it changes little (ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay
 where they span the whole DP domain: DDP on one host (the 8-layer 7B on 8 H100s: 14.0 ms exposed,
 16.8 without) and the flat path's DDP under HSDP, Megatron's one all-reduce per bucket (244 ms with,
@@ -81,6 +84,7 @@ PIPELINER_SPELLINGS = (
 COMBINE = {
     "gathers": {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 28},  # ZeRO-3
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
+    "across": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # HSDP: the all-reduces across dp_outer
     "hierarchical": {  # DDP under HSDP
         f"xla_gpu_{kind}_combine_threshold_bytes": 1 << 30 for kind in ("reduce_scatter", "all_reduce", "all_gather")
     },
@@ -119,7 +123,7 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
     pipeline = {k: v for k, v in pipeline_options(device).items() if not (across and k.endswith("all_reduce"))}
     options = {**pipeline, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1 and not across}
     if config.path == ZeroPath.SPEC and config.shards_state:
-        options |= COMBINE["gathers" if config.shards_params else "reductions"]
+        options |= COMBINE["gathers" if config.shards_params else "reductions"] | (COMBINE["across"] if hsdp else {})
     elif config.path == ZeroPath.SPEC and hsdp:  # DDP under HSDP
         options |= COMBINE["hierarchical"]
     return options

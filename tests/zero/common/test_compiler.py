@@ -82,8 +82,8 @@ def test_the_spec_path_combines_a_layers_collectives(strategy, path):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads"])
 def test_hsdp_pipelines_no_all_reduce(strategy, path):
     """Under HSDP the all-reduces across dp_outer are not pipelined and the loop is not double buffered;
-    the spec path's DDP reduces by a reduce-scatter, an all-reduce and an all-gather per grad, all three
-    kinds combined. The flat path's DDP (one all-reduce of each bucket over the whole domain) keeps the
+    on the spec path they are combined, and DDP's reduce-scatter, all-reduce and all-gather per grad are
+    all three combined. The flat path's DDP (one all-reduce of each bucket over the whole domain) keeps the
     options of one host."""
     mesh = gpu_mesh("h100", "2 x 1 x 8", (2, 8), ("dp_outer", "dp"))
     options = step_compiler_options(mesh, ZeroConfig(strategy=strategy, path=path), 1)
@@ -92,6 +92,7 @@ def test_hsdp_pipelines_no_all_reduce(strategy, path):
     if path == "flat" and strategy == "no_shard":
         assert options == {**pipeline, "xla_gpu_enable_while_loop_double_buffering": True}
         return
-    combine = {} if path == "flat" else COMBINE["hierarchical" if strategy == "no_shard" else "reductions"]
+    spec = COMBINE["hierarchical"] if strategy == "no_shard" else COMBINE["reductions"] | COMBINE["across"]
+    combine = {} if path == "flat" else spec
     assert options == {**{k: v for k, v in pipeline.items() if not k.endswith("all_reduce")}, **combine,
                        "xla_gpu_enable_while_loop_double_buffering": False}  # fmt: skip
