@@ -28,29 +28,26 @@ gathers so that its QKV gather finds no matmul beside it; 512 MiB and 1 GiB left
 (ZeRO-3's reduce-scatters as well, at 1 GiB: 6.3%; ZeRO-1/2's gathers are the forward's, already
 overlapped: 7.1%). ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute
 carries no optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its
-micro-batch loop is kept whole by one (`schedule._accumulate`). DDP under HSDP reduces each grad by
-a chain of three (reduce-scatter inside, all-reduce across dp_outer, all-gather inside;
-`units.Hook.regather`), and all three kinds are combined up to 1 GiB: LLaMA-2-7B cut to 8 layers (the
-32-layer model does not fit under DDP) on 2 hosts x 8 H100, exposed comm 32.4 ms uncombined, 25.1 ms
-with the reduce-scatters combined, 22.2 ms with all three, against 244 ms for per-unit all-reduces
-over the whole domain (the flat path's DDP; their bytes on the 50 GB/s links between hosts;
-`jzero hlo`, docs/fsdp.md).
+micro-batch loop is kept whole by one (`schedule._accumulate`).
 
 Under HSDP (`mesh.dp_outer > 1`) the grads are all-reduced across dp_outer alone, between hosts,
-after the reduce-scatter inside (`zero.outer_strategy: no_shard`; the spec path's DDP too), and the
-pipeliner's moving that all-reduce into the next layer's iteration leaves more of the step waiting
-on the network, not less: there the all-reduces are not pipelined and the loop is not double
-buffered. LLaMA-2-7B on 2 hosts x 8 H100s, dp_outer 2 x dp 8, `jzero hlo`'s exposed comm per step,
-pipelined -> not: ZeRO-1/2 56 -> 15 ms, ZeRO-3 87 -> 56 ms, and 25 ms without the double buffering
-too; at 8 micro-batches ZeRO-1 58 -> 15, ZeRO-2 442 -> 87, ZeRO-3 774 -> 182 ms; the 7B cut to 8
-layers under DDP 22 -> 15 ms with both off. On the spec path, where each param's grad is all-reduced
-across dp_outer by its own collective, those all-reduces are then combined up to 1 GiB too
-(`COMBINE["across"]`; at about the same temp peak): ZeRO-1/2 15.5 -> 9.0 ms, ZeRO-3 25.4 -> 23.8, at
-8 micro-batches ZeRO-2 87 -> 43.5 and ZeRO-3 182 -> 169 ms. Under `outer_strategy: optim` (reduce-scatters across
-dp_outer) it changes little (ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay
-where they span the whole DP domain: DDP on one host (the 8-layer 7B on 8 H100s: 14.0 ms exposed,
-16.8 without) and the flat path's DDP under HSDP, Megatron's one all-reduce per bucket (244 ms with,
-282 without). experiments/collectives/README.md, "HSDP", has the tables.
+after the reduce-scatter inside (`zero.outer_strategy: no_shard`; the spec path's DDP too, whose
+chain of three, reduce-scatter inside, all-reduce across, all-gather inside, is
+`units.Hook.regather`). XLA's pipeliner moving that all-reduce into the next layer's iteration left
+more of the step waiting on the network, not less, so under HSDP the all-reduces are not pipelined
+and the loop is not double buffered; on the spec path, where each grad has collectives of its own,
+the all-reduces are combined up to 1 GiB (`COMBINE["across"]`; DDP's reduce-scatters and
+all-gathers too, `COMBINE["hierarchical"]`), at about the same temp peak. LLaMA-2-7B on 2 hosts x 8
+H100s, dp_outer 2 x dp 8, `jzero hlo`'s exposed comm per step, with one host's options -> neither
+pipelined all-reduces nor double buffering -> the all-reduces combined too: ZeRO-1/2 56 -> 15.5 ->
+9.0 ms, ZeRO-3 87 -> 25.4 -> 23.8 ms; at 8 micro-batches ZeRO-1 58 -> 15 -> 8, ZeRO-2 442 -> 87 ->
+43.5, ZeRO-3 774 -> 182 -> 169 ms. DDP on the 7B cut to 8 layers (the 32-layer model does not fit
+under DDP): 32.4 ms with one host's options, 22.2 with its three collectives combined, 15.3 now.
+Under `outer_strategy: optim` (reduce-scatters across dp_outer) the pipelining changes little
+(ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay where they span the whole
+DP domain: DDP on one host (the 8-layer 7B on 8 H100s: 14.0 ms exposed, 16.8 without) and the flat
+path's DDP under HSDP, Megatron's one all-reduce per bucket (244 ms with, 282 without).
+experiments/collectives/README.md, "HSDP", has the tables.
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
 `zero.overlap_grad_reduce`, through `jax.jit(compiler_options=...)`, so a user's XLA_FLAGS
