@@ -82,9 +82,9 @@ COMBINE = {
     "gathers": {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 28},  # ZeRO-3
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
     "across": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # HSDP: the all-reduces across dp_outer
-    "hierarchical": {  # DDP under HSDP
-        f"xla_gpu_{kind}_combine_threshold_bytes": 1 << 30 for kind in ("reduce_scatter", "all_reduce", "all_gather")
-    },
+}
+COMBINE["hierarchical"] = {  # DDP under HSDP: its reduce-scatter, all-reduce and all-gather per grad
+    **COMBINE["reductions"], **COMBINE["across"], "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30
 }
 
 

@@ -60,10 +60,10 @@ def unit_hooks(plan: ShardingPlan, options: StepOptions, reshard_after_forward: 
         value_spec = t.local_grad_spec if phase.stacked else plan.param_spec(t) if phase.gather else t.tp_spec
         varying = set(spec_axes(restrict(value_spec, BATCH_AXES))) | (set(t.inner_axes) if gather else set())
         outer = tuple(a for a in t.dp_axes if a not in t.inner_axes)
-        # DDP under HSDP: a hierarchical all-reduce on the shard dim
-        regather = not plan.shards_state and bool(outer) and t.shard_dim is not None
+        regather = not plan.shards_state and bool(outer)  # DDP under HSDP: a hierarchical all-reduce
+        split = t.shard_dim is not None and (plan.shards_state or regather)  # the grad is split on its shard dim
         return Hook(
-            dim=t.shard_dim - len(t.shape) if plan.shards_state and t.shard_dim is not None or regather else None,
+            dim=t.shard_dim - len(t.shape) if split else None,
             inner=t.inner_axes,
             outer=outer,
             outer_scatter=OUTER_AXIS in t.shard_axes,
@@ -72,7 +72,7 @@ def unit_hooks(plan: ShardingPlan, options: StepOptions, reshard_after_forward: 
             scale=scale,
             reduce_dtype=jnp.dtype(options.grad_reduce_dtype).name,
             reshard=gather and reshard_after_forward and plan.shards_params,
-            regather=regather,
+            regather=regather and split,
             tp_spec=_tp_only(plan, t),
             reduce=phase.reduce,
             extract=phase.extract,
