@@ -181,24 +181,131 @@ def branch_loss(first: bool):
     return loss
 
 
+def _block(p, x):
+    return x + jnp.tanh(x @ p["w"] + p["b"])
+
+
+def loop_loss(params, batch):
+    """The shared block run twice by a loop whose body closes over its params (each iteration one call),
+    recomputed in backward."""
+    body = lambda i, x: unit(_block, params["block"], x, remat=True)  # noqa: E731
+    x = jax.lax.fori_loop(0, 2, body, batch[:, :8] @ params["proj"])
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+def scan_closure_loss(params, batch):
+    """As `loop_loss`, in a `scan` over nothing (ALBERT's layers, scanned)."""
+    body = lambda x, _: (unit(_block, params["block"], x, prevent_cse=False), None)  # noqa: E731
+    x, _ = jax.lax.scan(body, batch[:, :8] @ params["proj"], None, length=2)
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
 @pytest.mark.parametrize(
-    "path, loss",
-    [("spec", shared_loss), ("flat", shared_loss), ("spec", branch_loss(True)), ("flat", branch_loss(False))],
-    ids=["spec-shared", "flat-shared", "spec-cond-first-branch", "flat-cond-second-branch"],
-)
+    "path, loss, strategy",
+    [("spec", shared_loss, "optim"), ("flat", shared_loss, "optim"), ("spec", branch_loss(True), "optim"),
+     ("flat", branch_loss(False), "optim"), ("spec", loop_loss, "optim"), ("flat", scan_closure_loss, "optim"),
+     ("spec", scan_closure_loss, "no_shard")],
+    ids=["spec-shared", "flat-shared", "spec-cond-first-branch", "flat-cond-second-branch", "spec-loop",
+         "flat-scan-closure", "spec-scan-closure-ddp"],
+)  # fmt: skip
 @pytest.mark.slow
-def test_a_unit_run_twice_trains_like_plain_optax(path, loss):
+def test_a_unit_run_twice_trains_like_plain_optax(path, loss, strategy):
     """Over 3 micro-batches ZeRO-1 adds the accumulated grads in its last micro-batch's backward and
     hands the params its first one gathered on (`overlap_param_gather`): once per unit, not once per
-    call. Before, the block run twice took the accumulated grads twice and the params as 2 W. A unit in
-    both branches of a `cond` keeps them in each (`units.one_loss`: per trace), whichever runs."""
+    call. Before, the block run twice took the accumulated grads twice and the params as 2 W. A body
+    that closes over the block's params (both branches of a `cond`; a loop's, which runs it once per
+    iteration) keeps neither in its calls, and the step adds both once, after the backward
+    (`units.micro_batch_loss`), whichever branch runs. Before, the loops' first step's loss was already
+    off (64.2 -> 82.4), and DDP's update."""
     mesh = make_mesh(MeshConfig(dp=8))
     abstract = jax.eval_shape(init_shared)
     tx = optax.adam(1e-2)
-    zero, units = ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)), {"proj": None, "block": {"w": 0, "b": 0}}
+    zero, units = ZeroConfig(ShardingStrategy(strategy), ZeroPath(path)), {"proj": None, "block": {"w": 0, "b": 0}}
     tp_specs = jax.tree.map(lambda _: P(), abstract)
     z = build_zero(loss, tx, mesh, abstract, tp_specs, zero, units=units, microbatches=3)
     trains_like_plain_optax(z, loss, init_shared, tx, steps=3, rows=48)
+
+
+def fori_stack_loss(take):
+    """The stacked layers run by a `fori_loop` that closes over the stack and takes layer i's slice with
+    `take(p, i)`."""
+
+    def loss(params, batch):
+        def layer(i, x):
+            return unit(_block, jax.tree.map(lambda p: take(p, i), params["layers"]), x)
+
+        x = jax.lax.fori_loop(0, 3, layer, batch[:, :8] @ params["proj"])  # init_stack's 3 layers
+        return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "path, take",
+    [("spec", lambda p, i: p[i]), ("flat", lambda p, i: jnp.take(p, i, axis=0))],
+    ids=["spec-index", "flat-take"],
+)
+@pytest.mark.slow
+def test_a_loop_slicing_the_stack_it_closes_over_trains_like_plain_optax(path, take):
+    """A `fori_loop` body that closes over the stacked layers and slices layer i is a scan over them: each
+    iteration's unit call gets its own layer's slice of the carry and of the gathered params, and keeps them
+    (`jnp.take` slices inside a jit of its own: still a slice)."""
+    mesh, abstract, loss = make_mesh(MeshConfig(dp=8)), jax.eval_shape(init_stack), fori_stack_loss(take)
+    tx, tp_specs = optax.adam(1e-2), jax.tree.map(lambda _: P(), abstract)
+    zero, units = ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)), {"proj": None, "layers": {"w": 1, "b": 1}}
+    z = build_zero(loss, tx, mesh, abstract, tp_specs, zero, units=units, microbatches=3)
+    trains_like_plain_optax(z, loss, init_stack, tx, steps=2, rows=48)
+
+
+def carry_loss(params, batch):
+    """The shared block's params passed through a loop's carry."""
+    step = lambda i, c: (c[0], unit(_block, c[0], c[1]))  # noqa: E731
+    _, x = jax.lax.fori_loop(0, 2, step, (params["block"], batch[:, :8] @ params["proj"]))
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+def nested_loop_loss(params, batch):
+    """A loop inside each scanned layer, closing over the layer's slice."""
+
+    def layer(x, lp):
+        return jax.lax.fori_loop(0, 2, lambda i, x: unit(_block, lp, x), x), None
+
+    x, _ = jax.lax.scan(layer, batch[:, :8] @ params["proj"], params["layers"])
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+SHARED_UNITS, STACK_UNITS = {"proj": None, "block": {"w": 0, "b": 0}}, {"proj": None, "layers": {"w": 1, "b": 1}}
+CARRIED = "unit param 'block/b' enters a loop"
+
+
+@pytest.mark.parametrize(
+    "path, loss, init, units, match",
+    [("spec", carry_loss, init_shared, SHARED_UNITS, CARRIED), ("flat", carry_loss, init_shared, SHARED_UNITS, CARRIED),
+     ("spec", nested_loop_loss, init_stack, STACK_UNITS, "inside a body that sliced them")],
+    ids=["spec-carry", "flat-carry", "spec-nested"],
+)  # fmt: skip
+def test_a_unit_a_loop_runs_on_params_it_cannot_count_once_is_refused(path, loss, init, units, match):
+    """Params in a loop's carry, or closed over by a loop inside a scanned layer: a unit call in the body
+    runs once per iteration, and nothing there can add the carry and hand the params on once, so over
+    several micro-batches with overlap the step refuses them at trace time. Before, they trained
+    silently wrong. ZeRO-3 keeps no carry and extraction: it trains (next test)."""
+    abstract = jax.eval_shape(init)
+    mesh, tp_specs = make_mesh(MeshConfig(dp=8)), jax.tree.map(lambda _: P(), abstract)
+    z = build_zero(loss, optax.adam(1e-2), mesh, abstract, tp_specs, ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)),
+                   units=units, microbatches=2)  # fmt: skip
+    batch = jax.device_put(np.ones((16, 9), np.float32), z.batch_sharding)
+    with pytest.raises(ValueError, match=match):
+        z.step(z.init_state(init), batch)
+
+
+@pytest.mark.slow
+def test_zero3_runs_a_unit_on_params_a_loop_carries():
+    """ZeRO-3 adds no carry and hands nothing on: a unit on params in a loop's carry trains like plain optax."""
+    mesh, abstract = make_mesh(MeshConfig(dp=8)), jax.eval_shape(init_shared)
+    tx, tp_specs, units = optax.adam(1e-2), jax.tree.map(lambda _: P(), abstract), SHARED_UNITS
+    zero = ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS)
+    z = build_zero(carry_loss, tx, mesh, abstract, tp_specs, zero, units=units, microbatches=2)
+    trains_like_plain_optax(z, carry_loss, init_shared, tx, steps=2, rows=32)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -58,8 +58,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.core import OpaqueTraceState  # get_opaque_trace_state's type: to compare a tracer's trace
 from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10-0.11: all_gather typed invariant
-from jax.extend.core import get_opaque_trace_state
+from jax.extend.core import Var, get_opaque_trace_state, jaxprs_in_params
 
 from jzero.errors import ConfigError
 
@@ -226,6 +227,7 @@ class GroupHook:
     split(full) -> tuple: its params as the model computes with them, in the bucket's order;
     join(params) -> full: `split`'s inverse (the bucket from its params, as `gather` gives it);
     reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (tuple, the bucket's order);
+    reduce_acc(acc) -> the sink's cotangent of the carry alone (`micro_batch_loss`);
     extract / keep / reshard / probe: as `Hook`'s (the gsink's cotangent is `full`).
     """
 
@@ -326,14 +328,24 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     the result still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the
     first unit param it needs. Nothing to check without units. A primitive whose dead-code elimination
     keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
-    counts as a read."""
+    counts as a read.
+
+    Also refuses a unit param with a carry or extraction (`_carries`) that enters a loop (a `scan`'s or
+    `fori_loop`'s carry, or the argument of a call in the body: `_loop_carried`): a unit called on it
+    there runs once per iteration, with the param as the body's own value, as a scanned layer's slice
+    is, so its carry and extraction would count once per iteration. A body that closes over the params
+    and passes them to `unit` is handled (`micro_batch_loss`); in this trace `unit` does not recompute
+    (`Hook.probe`), so such a body does not take the sinks."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
-    owners = []  # per array of the view: the unit param holding it, or None
-    for path, x in tops:
+    owners, counted = [], []  # per array of the view: the unit param holding it, or None; a sink of one that
+    for path, x in tops:  # carries (`_carries`)
         name = jax.tree_util.keystr(path, simple=True, separator="/")
-        owners += [name if isinstance(x, (UnitParam, GroupParam)) else None] * len(jax.tree.leaves(x))
+        unit_leaf = isinstance(x, (UnitParam, GroupParam))
+        for inner, _ in jax.tree_util.tree_flatten_with_path(x)[0]:
+            owners.append(name if unit_leaf else None)
+            counted.append(unit_leaf and _carries(x) and getattr(inner[-1], "name", None) == "sink")
     if not any(owners):
         return
     probing = jax.tree.map(lambda x: _replaced(x, {"probe": True}), view, is_leaf=is_unit_leaf)
@@ -344,6 +356,15 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             return loss(treedef.unflatten(arrays))
 
     jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
+    carried = _loop_carried(jaxpr, {v: v for v, c in zip(jaxpr.invars, counted) if c})
+    if carried is not None:
+        raise ConfigError(
+            f"jzero.zero.unit: unit param {owners[jaxpr.invars.index(carried)]!r} enters a loop (its carry, or a "
+            "call's argument in its body): a unit run on it there runs once per iteration, and over several "
+            "micro-batches with overlap its accumulated grads and gathered params would count once per "
+            "iteration; let the body close over the params and pass them to `unit` itself (or slice them, as a "
+            "scanned stack), or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: false under ZeRO-2)"
+        )
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
     read = [name for name, use in zip(owners, used) if name and use]
     if read:
@@ -353,6 +374,68 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             "are this rank's shard): compute with them in the unit's fn, or put the term in the optax chain "
             "(weight decay: optax.add_decayed_weights)"
         )
+
+
+# What a loop body does to a param it closes over when it takes one layer's slice of it per iteration.
+_SLICING = frozenset({"dynamic_slice", "slice", "gather"})
+
+
+def _loop_carried(jaxpr, tracked: dict) -> Any:
+    """The first top-level var that a loop (`scan`, `while`) in `jaxpr`, or in the jaxprs of its calls,
+    branches and loop bodies (which get it whole), takes as a carry, or as a constant its body does not
+    only slice; or None. `tracked`: jaxpr's vars that are one of them -> which. jax makes a carry the
+    body passes on unchanged a constant of the scan; one the body slices per iteration is a stacked
+    param's layer."""
+    for eqn in jaxpr.eqns:
+        ins = [tracked.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+        if not any(ins):
+            continue
+        p, name = eqn.params, eqn.primitive.name
+        if name in ("scan", "while"):
+            if name == "scan":
+                body, (consts, carry, _) = p["jaxpr"].jaxpr, _scan_operands(p, ins)
+            else:
+                body, start, end = p["body_jaxpr"].jaxpr, p["cond_nconsts"], p["cond_nconsts"] + p["body_nconsts"]
+                consts, carry = ins[start:end], ins[end:]
+            for i, top in enumerate(consts + carry):
+                if top is not None and (i >= len(consts) or not _only_sliced(body, body.invars[i])):
+                    return top
+            continue
+        if name == "cond":
+            subs = [(b.jaxpr, ins[1:]) for b in p["branches"]]
+        else:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its jaxpr takes the operands as they are
+            subs = [(j, ins) for j in jaxprs_in_params(p)]
+        for sub, flags in subs:
+            if len(sub.invars) == len(flags):
+                hit = _loop_carried(sub, {v: f for v, f in zip(sub.invars, flags) if f is not None})
+                if hit is not None:
+                    return hit
+    return None
+
+
+def _scan_operands(params: dict, operands: list) -> tuple[list, list, list]:
+    """A scan eqn's `operands` as (consts, carry, xs), in its body's order."""
+    if "num_consts" in params:  # jax 0.10
+        consts, carry = params["num_consts"], params["num_carry"]
+        return operands[:consts], operands[consts : consts + carry], operands[consts + carry :]
+    return tuple(list(part) for part in params["ft_in"].update(operands).unpack())  # jax 0.11: a FlatTree
+
+
+def _only_sliced(jaxpr, var) -> bool:
+    """Whether `jaxpr` uses `var` at all, and only to take slices of it (itself, or a call it passes it to:
+    `jnp.take` is a jit)."""
+    uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+    if not uses or any(v is var for v in jaxpr.outvars):
+        return False
+    for e in uses:
+        if e.primitive.name in _SLICING:
+            continue
+        subs = list(jaxprs_in_params(e.params))
+        if e.primitive.name in ("scan", "while", "cond") or len(subs) != 1 or len(subs[0].invars) != len(e.invars):
+            return False
+        if not all(_only_sliced(subs[0], inner) for inner, v in zip(subs[0].invars, e.invars) if v is var):
+            return False
+    return True
 
 
 def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: True) -> PyTree:
@@ -388,32 +471,63 @@ def _hooks(params: PyTree) -> list:
     ]
 
 
-# The unit params the `unit` calls of one micro-batch's loss have materialized: by the id of their sink, the sink
-# (kept, so that no id is reused while the loss traces) and the traces it was materialized in. None outside a
-# step's loss (`one_loss`).
-_CALLED: contextvars.ContextVar[dict[int, tuple[jax.Array, list]] | None] = contextvars.ContextVar(
-    "jzero_unit_calls", default=None
-)
+@dataclasses.dataclass
+class _Calls:
+    """The `unit` calls of one micro-batch's loss so far (`one_loss`).
+
+    first: by the id of a unit leaf's sink, the sink (kept, so that no id is reused while the loss
+      traces) and the traces a call materialized it in, keeping its carry and extraction.
+    outside: by the id of its sink, each unit leaf with a carry or extraction that a `unit` call got
+      from an enclosing trace (`_traced_here`), as it was given.
+    """
+
+    first: dict[int, tuple[jax.Array, list]] = dataclasses.field(default_factory=dict)
+    outside: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+
+_CALLED: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("jzero_unit_calls", default=None)
 
 
 @contextlib.contextmanager
 def one_loss() -> Iterator[None]:
-    """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it): a unit
-    whose params reach `unit` again in the same trace (a block run twice by the loss, or by one scan
-    body: its weights shared) adds the earlier micro-batches' grads (`UnitParam.acc`) and hands its
-    gathered params on (`gsink`) in its first call only, so that what the step sums over the calls is
-    the param's grad once and the param once. Calls in different traces (the two branches of a `cond`,
-    a body jax traces twice) each keep theirs: one of them runs."""
-    token = _CALLED.set({})
+    """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it,
+    through `micro_batch_loss`): a unit whose params reach `unit` again in the same trace (a block
+    run twice by the loss, or by one scan body: its weights shared) adds the earlier micro-batches'
+    grads (`UnitParam.acc`) and hands its gathered params on (`gsink`) in its first call only, so that
+    what the step sums over the calls is the param's grad once and the param once. Calls in different
+    traces (the two branches of a `cond` given the params as operands, a body jax traces twice) each
+    keep theirs: one of them runs.
+    A call that gets the params from an enclosing trace (a loop body that closes over them, which runs
+    once per iteration) keeps neither: `micro_batch_loss` adds them once, outside the backward."""
+    token = _CALLED.set(_Calls())
     try:
         yield
     finally:
         _CALLED.reset(token)
 
 
+def _sink(x) -> jax.Array:
+    return x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
+
+
+def _carries(x) -> bool:
+    """Whether the unit leaf `x` adds a carry or hands its params on (its first call's job)."""
+    parts = [x] if isinstance(x, UnitParam) else x.buckets
+    return any(p.acc is not None or p.gsink is not None for p in parts)
+
+
+def _traced_here(x) -> bool:
+    """Whether `x` is a value of the trace now running: not one a body closes over from an enclosing
+    trace (a `scan`'s or `fori_loop`'s body, a `cond` branch, a `jax.checkpoint`), whose arrays jax
+    makes the body's constants. What a scan slices (a stacked layer's params) is the body's own."""
+    trace = getattr(x, "_trace", None)  # jax.core.Tracer's trace; jax has no public accessor for it
+    return not isinstance(x, jax.core.Tracer) or OpaqueTraceState(trace._weakref) == get_opaque_trace_state()
+
+
 def _first_calls(params: PyTree) -> PyTree:
-    """`params` with the unit leaves that an earlier `unit` call of this loss materialized in the current
-    trace stripped of their carry and extraction."""
+    """`params` with the unit leaves that keep no carry and extraction in this call stripped of them: those
+    an earlier `unit` call of this loss materialized in the current trace, and those from an enclosing
+    trace (recorded for `micro_batch_loss`)."""
     called = _CALLED.get()
     if called is None:
         return params
@@ -423,14 +537,79 @@ def _first_calls(params: PyTree) -> PyTree:
     def one(x):
         if not isinstance(x, (UnitParam, GroupParam)):
             return x
-        sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
-        traces = called.setdefault(id(sink), (sink, []))[1]
+        sink = _sink(x)
+        if not _traced_here(sink):
+            if _carries(x):
+                called.outside.setdefault(id(sink), x)
+            return _replaced(x, {"extract": False}, acc=None, gsink=None)
+        traces = called.first.setdefault(id(sink), (sink, []))[1]
         if any(here == t for t in traces):
             return _replaced(x, {"extract": False}, acc=None, gsink=None)
         traces.append(here)
         return x
 
     return jax.tree.map(one, params, is_leaf=is_unit_leaf)
+
+
+def micro_batch_loss(loss: Callable[[PyTree], tuple], view: PyTree) -> tuple:
+    """`loss(view) -> (value, aux)` as one micro-batch's loss in a ZeRO step (`one_loss`), to differentiate
+    with respect to the view's sinks (and gsinks).
+
+    A unit whose every `unit` call got its params from an enclosing trace (a loop body that closes over a
+    shared block's params and runs it once per iteration, say) kept no carry and handed nothing on; its
+    earlier micro-batches' grads are reduced and its params gathered here instead, once, after the
+    backward (`_outside`: one more collective for that unit, which the calls' own reductions do not
+    include). Its value adds 0 to `value`. A unit whose params such a body got from a trace below the
+    loss's own (a loop inside a scanned layer, closing over the layer's slice) cannot be handled so and
+    is refused."""
+    with one_loss():
+        value, aux = loss(view)
+        called = _CALLED.get()
+        late = [x for key, x in called.outside.items() if key not in called.first]
+    if not late:
+        return value, aux
+    if not all(_traced_here(_sink(x)) for x in late):
+        raise ConfigError(
+            "jzero.zero.unit: a unit's params are closed over by a loop body (or another jax transform) "
+            "inside a body that sliced them (a scanned layer, say): the unit runs once per iteration, and "
+            "over several micro-batches with overlap its accumulated grads and gathered params would count "
+            "once per iteration; call `unit` on the slice in the scanned body itself (the inner loop unrolled), "
+            "or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: false under ZeRO-2)"
+        )
+    term = sum(_outside_of(x) for x in late)
+    return value + term.astype(value.dtype), aux
+
+
+def _outside_of(x) -> jax.Array:
+    """`_outside` of each of the unit leaf `x`'s parts (its param, or each bucket), summed (0)."""
+    parts = [x] if isinstance(x, UnitParam) else x.buckets
+    return sum(_outside(p.hook, p.value, p.sink, p.acc, p.gsink) for p in parts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _outside(hook, value, sink, acc, gsink) -> jax.Array:
+    """0, whose backward gives the sink and the gsink what a unit's first call adds to theirs."""
+    return jnp.zeros((), jnp.float32)
+
+
+def _outside_fwd(hook, value, sink, acc, gsink):
+    return jnp.zeros((), jnp.float32), (value if gsink is not None else None, acc)
+
+
+def _outside_bwd(hook, residuals, g):
+    """The sink's cotangent: the carry reduced as the unit's backward reduces a grad; the gsink's: the
+    param gathered, as `unit`'s forward gathers it."""
+    value, acc = residuals
+    if isinstance(hook, Hook):
+        reduced = None if acc is None else _tp_local(functools.partial(_reduce, hook), acc, hook)
+        full = None if value is None else _gathered(hook, value)
+    else:
+        reduced = None if acc is None else hook.reduce_acc(acc)
+        full = None if value is None else hook.gather(value)
+    return None, reduced, None, full
+
+
+_outside.defvjp(_outside_fwd, _outside_bwd)
 
 
 def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: bool = True, **kwargs):
@@ -460,6 +639,8 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     def run(params, *args):
         return fn(materialize_all(params), *args, **kwargs)
 
+    if any(h.probe for h in hooks):  # `check_reads`' trace: what the loss reads, not what it recomputes; a
+        return run(params, *args)  # checkpoint would take the sinks of params a loop body closes over
     if remat:
         return jax.checkpoint(run, prevent_cse=prevent_cse)(materialize_all(params, lambda hook: hook.keep), *args)
     if any(h.reshard for h in hooks):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam, check_reads, one_loss, scale_grad
+from jzero.zero.common.units import BucketParam, check_reads, micro_batch_loss, scale_grad
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -94,8 +94,7 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
         return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
     def loss_of(sinks, gsinks):
-        with one_loss():
-            return loss_at(view(sinks, gsinks))
+        return micro_batch_loss(loss_at, view(sinks, gsinks))
 
     zeros = sinks(prog, phase.reduce)
     check_reads(loss_at, view(zeros, gsinks))

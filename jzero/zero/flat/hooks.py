@@ -127,6 +127,10 @@ class BucketHook(GroupHook):
             g = acc + g
         return collectives.reduce_bucket(self.buf, g)
 
+    def reduce_acc(self, acc):
+        """The carry alone, reduced as `reduce_grads` reduces it with the grads (`units.micro_batch_loss`)."""
+        return collectives.reduce_bucket(self.buf, acc)
+
 
 def bucket_hooks(fp: FlatPlan, mode: str, scale: float, reduce_dtype, **flags) -> list[BucketHook]:
     """Per plan bucket its `BucketHook` (`flags`: reduce, extract, keep, reshard)."""

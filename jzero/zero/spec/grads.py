@@ -45,7 +45,7 @@ from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, check_reads, materialize, one_loss, scale_grad
+from jzero.zero.common.units import Hook, UnitParam, check_reads, materialize, micro_batch_loss, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -168,8 +168,7 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
             return scaled_loss(loss_metrics, loss_scale)(view, _squeeze(mb), model_state, **ep_kwargs(plan))
 
         def loss_of(sinks, gsinks):
-            with one_loss():
-                return loss_at(view(sinks, gsinks))
+            return micro_batch_loss(loss_at, view(sinks, gsinks))
 
         check_reads(loss_at, view(sinks, gsinks))
         (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
