@@ -274,21 +274,41 @@ def nested_loop_loss(params, batch):
     return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
 
 
+def skip_loss(params, batch):
+    """LayerDrop: the block runs or not (a draw the same on every rank), its params a `cond`'s operand."""
+    x, run = batch[:, :8] @ params["proj"], jnp.sum(params["proj"]) > 0
+    x = jax.lax.cond(run, lambda p, x: unit(_block, p, x), lambda p, x: x, params["block"], x)
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
+def twice_loss(params, batch):
+    """The block called by the loss and again in a `jax.checkpoint` given its params as an argument."""
+    x = unit(_block, params["block"], batch[:, :8] @ params["proj"])
+    x = jax.checkpoint(lambda p, x: unit(_block, p, x))(params["block"], x)
+    return jnp.mean((x.sum(-1) - batch[:, 8]) ** 2)
+
+
 SHARED_UNITS, STACK_UNITS = {"proj": None, "block": {"w": 0, "b": 0}}, {"proj": None, "layers": {"w": 1, "b": 1}}
-CARRIED = "unit param 'block/b' enters a loop"
+ONCE = "unit param 'block/b' would add its accumulated grads and hand its gathered params on more or less than once"
 
 
 @pytest.mark.parametrize(
     "path, loss, init, units, match",
-    [("spec", carry_loss, init_shared, SHARED_UNITS, CARRIED), ("flat", carry_loss, init_shared, SHARED_UNITS, CARRIED),
-     ("spec", nested_loop_loss, init_stack, STACK_UNITS, "inside a body that sliced them")],
-    ids=["spec-carry", "flat-carry", "spec-nested"],
+    [("spec", carry_loss, init_shared, SHARED_UNITS, ONCE + ".*once per iteration on the same params"),
+     ("flat", carry_loss, init_shared, SHARED_UNITS, ONCE + ".*once per iteration on the same params"),
+     ("spec", nested_loop_loss, init_stack, STACK_UNITS, "inside a body that sliced them"),
+     ("flat", skip_loss, init_shared, SHARED_UNITS, ONCE + ".*in some branches of a `cond` and not in others"),
+     ("spec", twice_loss, init_shared, SHARED_UNITS, ONCE + ".*two calls in different traces")],
+    ids=["spec-carry", "flat-carry", "spec-nested", "flat-cond-skip", "spec-twice"],
 )  # fmt: skip
-def test_a_unit_a_loop_runs_on_params_it_cannot_count_once_is_refused(path, loss, init, units, match):
-    """Params in a loop's carry, or closed over by a loop inside a scanned layer: a unit call in the body
-    runs once per iteration, and nothing there can add the carry and hand the params on once, so over
-    several micro-batches with overlap the step refuses them at trace time. Before, they trained
-    silently wrong. ZeRO-3 keeps no carry and extraction: it trains (next test)."""
+def test_a_unit_that_cannot_count_its_carry_once_is_refused(path, loss, init, units, match):
+    """Over several micro-batches with overlap a unit's first call adds the earlier micro-batches' grads
+    and hands the gathered params on. Where that call would not run exactly once per step the step is
+    refused at trace time: a loop body that runs it once per iteration on params in the carry, or on a
+    scanned layer's slice it closes over; a `cond` with the unit in one branch (a micro-batch that skips
+    it would hand on zeros); a call in a transform given the params besides the loss's own. Before, they
+    trained silently wrong (the carry's and the second call's first step read 82.4 against 64.2). ZeRO-3
+    adds nothing once: it trains (next test)."""
     abstract = jax.eval_shape(init)
     mesh, tp_specs = make_mesh(MeshConfig(dp=8)), jax.tree.map(lambda _: P(), abstract)
     z = build_zero(loss, optax.adam(1e-2), mesh, abstract, tp_specs, ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)),

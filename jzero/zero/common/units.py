@@ -330,12 +330,13 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
     counts as a read.
 
-    Also refuses a unit param with a carry or extraction (`_carries`) that enters a loop (a `scan`'s or
-    `fori_loop`'s carry, or the argument of a call in the body: `_loop_carried`): a unit called on it
-    there runs once per iteration, with the param as the body's own value, as a scanned layer's slice
-    is, so its carry and extraction would count once per iteration. A body that closes over the params
-    and passes them to `unit` is handled (`micro_batch_loss`); in this trace `unit` does not recompute
-    (`Hook.probe`), so such a body does not take the sinks."""
+    Also refuses a unit param with a carry or extraction (`_carries`) whose first calls (those that keep
+    them: `_first_calls`) would not run exactly once per step (`_claims`): one in a loop body on params
+    the loop does not slice (its carry, or an argument a call in the body takes), which runs once per
+    iteration; one in some branches of a `cond` only; two in different traces (the loss's own and a
+    transform's it gives the params to). This trace marks each such call (`_claimed`). A body that closes
+    over the params and passes them to `unit` makes no first call (`micro_batch_loss` adds them), and in
+    this trace `unit` does not recompute (`Hook.probe`), so such a body takes no sink."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
@@ -356,15 +357,20 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             return loss(treedef.unflatten(arrays))
 
     jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
-    carried = _loop_carried(jaxpr, {v: v for v, c in zip(jaxpr.invars, counted) if c})
-    if carried is not None:
+    try:
+        counts = _claims(jaxpr, {v: (v, False) for v, c in zip(jaxpr.invars, counted) if c})
+        twice = next((top for top, n in counts.items() if n > 1), None)
+        if twice is not None:
+            raise _Irregular(twice, "two calls in different traces add them (the loss's own, and one in a "
+                                    "transform it gives the params to as an argument)")  # fmt: skip
+    except _Irregular as e:
         raise ConfigError(
-            f"jzero.zero.unit: unit param {owners[jaxpr.invars.index(carried)]!r} enters a loop (its carry, or a "
-            "call's argument in its body): a unit run on it there runs once per iteration, and over several "
-            "micro-batches with overlap its accumulated grads and gathered params would count once per "
-            "iteration; let the body close over the params and pass them to `unit` itself (or slice them, as a "
-            "scanned stack), or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: false under ZeRO-2)"
-        )
+            f"jzero.zero.unit: unit param {owners[jaxpr.invars.index(e.top)]!r} would add its accumulated grads and "
+            f"hand its gathered params on more or less than once per step over several micro-batches: {e.why}; "
+            "let a loop body close over the params and give them to `unit` itself (or slice a stack per layer), "
+            "call the unit in every branch, or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: "
+            "false under ZeRO-2)"
+        ) from None
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
     read = [name for name, use in zip(owners, used) if name and use]
     if read:
@@ -376,41 +382,71 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
         )
 
 
-# What a loop body does to a param it closes over when it takes one layer's slice of it per iteration.
-_SLICING = frozenset({"dynamic_slice", "slice", "gather"})
+# What takes a stacked param's layer slice in a loop body (`p[i]`, `jnp.take`): each iteration another value.
+_SLICING = frozenset({"dynamic_slice", "gather"})
 
 
-def _loop_carried(jaxpr, tracked: dict) -> Any:
-    """The first top-level var that a loop (`scan`, `while`) in `jaxpr`, or in the jaxprs of its calls,
-    branches and loop bodies (which get it whole), takes as a carry, or as a constant its body does not
-    only slice; or None. `tracked`: jaxpr's vars that are one of them -> which. jax makes a carry the
-    body passes on unchanged a constant of the scan; one the body slices per iteration is a stacked
-    param's layer."""
+class _Irregular(Exception):
+    """A unit's first call that would not run exactly once (`_claims`): the unit's top-level sink, and why."""
+
+    def __init__(self, top, why: str):
+        super().__init__(why)
+        self.top, self.why = top, why
+
+
+def _claimed(sink):  # `_first_calls`' mark, in `check_reads`' trace, of a call that keeps its carry: a jit by this name
+    return sink
+
+
+def _claims(jaxpr, tracked: dict) -> dict:
+    """Per top-level sink, how many `_claimed` marks run per step (per layer, for a stacked param a loop
+    slices) in `jaxpr` and the jaxprs of its calls, branches and loop bodies. Raises `_Irregular` for a mark
+    that runs once per iteration of a loop on a value the loop does not slice (a carry; a closure that a
+    call takes as an argument), or in some branches of a `cond` but not all. `tracked`: jaxpr's vars that
+    hold a top-level sink or a value computed from one -> (the sink, whether every iteration of the
+    innermost enclosing loop sees the same value)."""
+    counts: dict = {}
+
+    def add(more: dict):
+        for top, n in more.items():
+            counts[top] = counts.get(top, 0) + n
+
+    def inside(sub, operands):  # a sub-jaxpr whose invars are `operands` (tracked or None)
+        return _claims(sub, {v: t for v, t in zip(sub.invars, operands) if t is not None})
+
     for eqn in jaxpr.eqns:
         ins = [tracked.get(v) if isinstance(v, Var) else None for v in eqn.invars]
-        if not any(ins):
+        hit = next((t for t in ins if t is not None), None)
+        if hit is None:  # nothing computed from a sink: no mark of it either
             continue
         p, name = eqn.params, eqn.primitive.name
-        if name in ("scan", "while"):
+        if name in ("jit", "pjit") and p.get("name") == _claimed.__name__:
+            top, fixed = hit
+            if fixed:
+                raise _Irregular(top, "a loop body runs it once per iteration on the same params (a carry)")
+            add({top: 1})
+        elif name in ("scan", "while"):
             if name == "scan":
-                body, (consts, carry, _) = p["jaxpr"].jaxpr, _scan_operands(p, ins)
+                body, (consts, carry, xs) = p["jaxpr"].jaxpr, _scan_operands(p, ins)
+                inner = [t and (t[0], True) for t in consts + carry] + [t and (t[0], False) for t in xs]
             else:
-                body, start, end = p["body_jaxpr"].jaxpr, p["cond_nconsts"], p["cond_nconsts"] + p["body_nconsts"]
-                consts, carry = ins[start:end], ins[end:]
-            for i, top in enumerate(consts + carry):
-                if top is not None and (i >= len(consts) or not _only_sliced(body, body.invars[i])):
-                    return top
-            continue
-        if name == "cond":
-            subs = [(b.jaxpr, ins[1:]) for b in p["branches"]]
-        else:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its jaxpr takes the operands as they are
-            subs = [(j, ins) for j in jaxprs_in_params(p)]
-        for sub, flags in subs:
-            if len(sub.invars) == len(flags):
-                hit = _loop_carried(sub, {v: f for v, f in zip(sub.invars, flags) if f is not None})
-                if hit is not None:
-                    return hit
-    return None
+                body, inner = p["body_jaxpr"].jaxpr, [t and (t[0], True) for t in ins[p["cond_nconsts"] :]]
+            add(inside(body, inner))
+        elif name == "cond":
+            branches = [inside(b.jaxpr, ins[1:]) for b in p["branches"]]
+            for top in {t for b in branches for t in b}:
+                if len({b.get(top, 0) for b in branches}) > 1:
+                    raise _Irregular(top, "it runs in some branches of a `cond` and not in others")
+            add(branches[0])
+        else:
+            subs = list(jaxprs_in_params(p))
+            for sub in subs:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its operands as they are
+                if len(sub.invars) == len(ins):
+                    add(inside(sub, ins))
+            sliced = name in _SLICING or any(e.primitive.name in _SLICING for sub in subs for e in sub.eqns)
+            for v in eqn.outvars:  # a value computed from the sink: a layer's slice of it, or the same
+                tracked[v] = (hit[0], hit[1] and not sliced)
+    return counts
 
 
 def _scan_operands(params: dict, operands: list) -> tuple[list, list, list]:
@@ -419,23 +455,6 @@ def _scan_operands(params: dict, operands: list) -> tuple[list, list, list]:
         consts, carry = params["num_consts"], params["num_carry"]
         return operands[:consts], operands[consts : consts + carry], operands[consts + carry :]
     return tuple(list(part) for part in params["ft_in"].update(operands).unpack())  # jax 0.11: a FlatTree
-
-
-def _only_sliced(jaxpr, var) -> bool:
-    """Whether `jaxpr` uses `var` at all, and only to take slices of it (itself, or a call it passes it to:
-    `jnp.take` is a jit)."""
-    uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
-    if not uses or any(v is var for v in jaxpr.outvars):
-        return False
-    for e in uses:
-        if e.primitive.name in _SLICING:
-            continue
-        subs = list(jaxprs_in_params(e.params))
-        if e.primitive.name in ("scan", "while", "cond") or len(subs) != 1 or len(subs[0].invars) != len(e.invars):
-            return False
-        if not all(_only_sliced(subs[0], inner) for inner, v in zip(subs[0].invars, e.invars) if v is var):
-            return False
-    return True
 
 
 def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: True) -> PyTree:
@@ -546,6 +565,8 @@ def _first_calls(params: PyTree) -> PyTree:
         if any(here == t for t in traces):
             return _replaced(x, {"extract": False}, acc=None, gsink=None)
         traces.append(here)
+        if _carries(x) and _hooks([x])[0].probe:
+            jax.jit(_claimed)(sink)  # `check_reads` counts these
         return x
 
     return jax.tree.map(one, params, is_leaf=is_unit_leaf)
