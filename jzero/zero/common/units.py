@@ -58,7 +58,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.core import OpaqueTraceState  # get_opaque_trace_state's type: to compare a tracer's trace
 from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10-0.11: all_gather typed invariant
 from jax.extend.core import Var, get_opaque_trace_state, jaxprs_in_params
 
@@ -102,7 +101,7 @@ class Hook:
       extract: the gsink's cotangent is the gathered param (module docstring).
       keep: the gathered param is kept for the backward even when the unit recomputes its forward
         (`unit(..., remat=True)`): ZeRO-1/2's overlap_param_gather, which gathers once per step.
-      probe: materializing gives zeros that do not read the param (`check_reads`' trace). Static, so
+      probe: materializing gives zeros that do not read the param (`check_loss`' trace). Static, so
         no jaxpr jax caches for a traced function (a scan body, a jit) is shared with the real step's.
     """
 
@@ -319,7 +318,7 @@ def _replaced(x, hook: dict, **fields):
     return x
 
 
-def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
+def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
     """Refuses `loss(view)` if it reads a unit's params other than through `unit` (an L2 penalty over
     all params, say): there the loss sees what a `UnitParam` holds (this rank's shard where they rest
     sharded, and the zero sinks), and the grads would miss that use. `view`: the params as the step's
@@ -330,13 +329,14 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
     keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
     counts as a read.
 
-    Also refuses a unit param with a carry or extraction (`_carries`) whose first calls (those that keep
-    them: `_first_calls`) would not run exactly once per step (`_claims`): one in a loop body on params
-    the loop does not slice (its carry, or an argument a call in the body takes), which runs once per
+    Returns the unit params (by their path in `view`) with a carry or extraction (`_carries`) whose
+    first calls (those that keep them: `_first_calls`) would not run exactly once per step (`_claims`):
+    one in a loop body on params the loop does not slice (a closure, or its carry), which runs once per
     iteration; one in some branches of a `cond` only; two in different traces (the loss's own and a
-    transform's it gives the params to). This trace marks each such call (`_claimed`). A body that closes
-    over the params and passes them to `unit` makes no first call (`micro_batch_loss` adds them), and in
-    this trace `unit` does not recompute (`Hook.probe`), so such a body takes no sink."""
+    transform's it gives the params to). This trace marks each first call (`_claimed`) and counts the
+    marks. `micro_batch_loss` adds those params' carry and extraction once, outside their calls. In this
+    trace `unit` does not recompute (`Hook.probe`): a checkpoint would take the sinks of the params it
+    gets, which no mark needs."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
@@ -348,7 +348,7 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             owners.append(name if unit_leaf else None)
             counted.append(unit_leaf and _carries(x) and getattr(inner[-1], "name", None) == "sink")
     if not any(owners):
-        return
+        return frozenset()
     probing = jax.tree.map(lambda x: _replaced(x, {"probe": True}), view, is_leaf=is_unit_leaf)
     arrays, treedef = jax.tree.flatten(probing)
 
@@ -357,20 +357,6 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             return loss(treedef.unflatten(arrays))
 
     jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
-    try:
-        counts = _claims(jaxpr, {v: (v, False) for v, c in zip(jaxpr.invars, counted) if c})
-        twice = next((top for top, n in counts.items() if n > 1), None)
-        if twice is not None:
-            raise _Irregular(twice, "two calls in different traces add them (the loss's own, and one in a "
-                                    "transform it gives the params to as an argument)")  # fmt: skip
-    except _Irregular as e:
-        raise ConfigError(
-            f"jzero.zero.unit: unit param {owners[jaxpr.invars.index(e.top)]!r} would add its accumulated grads and "
-            f"hand its gathered params on more or less than once per step over several micro-batches: {e.why}; "
-            "let a loop body close over the params and give them to `unit` itself (or slice a stack per layer), "
-            "call the unit in every branch, or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: "
-            "false under ZeRO-2)"
-        ) from None
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
     read = [name for name, use in zip(owners, used) if name and use]
     if read:
@@ -380,31 +366,27 @@ def check_reads(loss: Callable[[PyTree], Any], view: PyTree) -> None:
             "are this rank's shard): compute with them in the unit's fn, or put the term in the optax chain "
             "(weight decay: optax.add_decayed_weights)"
         )
+    irregular: set = set()
+    counts = _claims(jaxpr, {v: (v, False) for v, c in zip(jaxpr.invars, counted) if c}, irregular)
+    irregular |= {top for top, n in counts.items() if n > 1}
+    return frozenset(owners[jaxpr.invars.index(top)] for top in irregular)
 
 
 # What takes a stacked param's layer slice in a loop body (`p[i]`, `jnp.take`): each iteration another value.
 _SLICING = frozenset({"dynamic_slice", "gather"})
 
 
-class _Irregular(Exception):
-    """A unit's first call that would not run exactly once (`_claims`): the unit's top-level sink, and why."""
-
-    def __init__(self, top, why: str):
-        super().__init__(why)
-        self.top, self.why = top, why
-
-
-def _claimed(sink):  # `_first_calls`' mark, in `check_reads`' trace, of a call that keeps its carry: a jit by this name
+def _claimed(sink):  # `_first_calls`' mark, in `check_loss`' trace, of a call that keeps its carry: a jit by this name
     return sink
 
 
-def _claims(jaxpr, tracked: dict) -> dict:
+def _claims(jaxpr, tracked: dict, irregular: set) -> dict:
     """Per top-level sink, how many `_claimed` marks run per step (per layer, for a stacked param a loop
-    slices) in `jaxpr` and the jaxprs of its calls, branches and loop bodies. Raises `_Irregular` for a mark
-    that runs once per iteration of a loop on a value the loop does not slice (a carry; a closure that a
-    call takes as an argument), or in some branches of a `cond` but not all. `tracked`: jaxpr's vars that
-    hold a top-level sink or a value computed from one -> (the sink, whether every iteration of the
-    innermost enclosing loop sees the same value)."""
+    slices) in `jaxpr` and the jaxprs of its calls, branches and loop bodies. Adds to `irregular` the sinks
+    with a mark that runs once per iteration of a loop on a value the loop does not slice (a closure, a
+    carry), or in some branches of a `cond` but not all. `tracked`: jaxpr's vars that hold a top-level sink
+    or a value computed from one -> (the sink, whether every iteration of the innermost enclosing loop sees
+    the same value)."""
     counts: dict = {}
 
     def add(more: dict):
@@ -412,7 +394,7 @@ def _claims(jaxpr, tracked: dict) -> dict:
             counts[top] = counts.get(top, 0) + n
 
     def inside(sub, operands):  # a sub-jaxpr whose invars are `operands` (tracked or None)
-        return _claims(sub, {v: t for v, t in zip(sub.invars, operands) if t is not None})
+        return _claims(sub, {v: t for v, t in zip(sub.invars, operands) if t is not None}, irregular)
 
     for eqn in jaxpr.eqns:
         ins = [tracked.get(v) if isinstance(v, Var) else None for v in eqn.invars]
@@ -423,7 +405,7 @@ def _claims(jaxpr, tracked: dict) -> dict:
         if name in ("jit", "pjit") and p.get("name") == _claimed.__name__:
             top, fixed = hit
             if fixed:
-                raise _Irregular(top, "a loop body runs it once per iteration on the same params (a carry)")
+                irregular.add(top)
             add({top: 1})
         elif name in ("scan", "while"):
             if name == "scan":
@@ -436,8 +418,8 @@ def _claims(jaxpr, tracked: dict) -> dict:
             branches = [inside(b.jaxpr, ins[1:]) for b in p["branches"]]
             for top in {t for b in branches for t in b}:
                 if len({b.get(top, 0) for b in branches}) > 1:
-                    raise _Irregular(top, "it runs in some branches of a `cond` and not in others")
-            add(branches[0])
+                    irregular.add(top)
+            add({top: max(b.get(top, 0) for b in branches) for top in {t for b in branches for t in b}})
         else:
             subs = list(jaxprs_in_params(p))
             for sub in subs:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its operands as they are
@@ -490,63 +472,40 @@ def _hooks(params: PyTree) -> list:
     ]
 
 
-@dataclasses.dataclass
-class _Calls:
-    """The `unit` calls of one micro-batch's loss so far (`one_loss`).
-
-    first: by the id of a unit leaf's sink, the sink (kept, so that no id is reused while the loss
-      traces) and the traces a call materialized it in, keeping its carry and extraction.
-    outside: by the id of its sink, each unit leaf with a carry or extraction that a `unit` call got
-      from an enclosing trace (`_traced_here`), as it was given.
-    """
-
-    first: dict[int, tuple[jax.Array, list]] = dataclasses.field(default_factory=dict)
-    outside: dict[int, Any] = dataclasses.field(default_factory=dict)
-
-
-_CALLED: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("jzero_unit_calls", default=None)
+# The unit params the `unit` calls of one micro-batch's loss have materialized: by the id of their sink, the sink
+# (kept, so that no id is reused while the loss traces) and the traces it was materialized in. None outside a
+# step's loss (`one_loss`).
+_CALLED: contextvars.ContextVar[dict[int, tuple[jax.Array, list]] | None] = contextvars.ContextVar(
+    "jzero_unit_calls", default=None
+)
 
 
 @contextlib.contextmanager
 def one_loss() -> Iterator[None]:
-    """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it,
-    through `micro_batch_loss`): a unit whose params reach `unit` again in the same trace (a block
-    run twice by the loss, or by one scan body: its weights shared) adds the earlier micro-batches'
-    grads (`UnitParam.acc`) and hands its gathered params on (`gsink`) in its first call only, so that
-    what the step sums over the calls is the param's grad once and the param once. Calls in different
-    traces (the two branches of a `cond` given the params as operands, a body jax traces twice) each
-    keep theirs: one of them runs.
-    A call that gets the params from an enclosing trace (a loop body that closes over them, which runs
-    once per iteration) keeps neither: `micro_batch_loss` adds them once, outside the backward."""
-    token = _CALLED.set(_Calls())
+    """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it): a unit
+    whose params reach `unit` again in the same trace (a block run twice by the loss, or by one scan
+    body: its weights shared) adds the earlier micro-batches' grads (`UnitParam.acc`) and hands its
+    gathered params on (`gsink`) in its first call only, so that what the step sums over the calls is
+    the param's grad once and the param once. Calls in different traces (the two branches of a `cond`,
+    a body jax traces twice) each keep theirs: one of them runs. Where that is not so (a loop body that
+    runs the first call once per iteration, say), `check_loss` finds it and `micro_batch_loss` adds
+    them instead."""
+    token = _CALLED.set({})
     try:
         yield
     finally:
         _CALLED.reset(token)
 
 
-def _sink(x) -> jax.Array:
-    return x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
-
-
 def _carries(x) -> bool:
     """Whether the unit leaf `x` adds a carry or hands its params on (its first call's job)."""
-    parts = [x] if isinstance(x, UnitParam) else x.buckets
-    return any(p.acc is not None or p.gsink is not None for p in parts)
-
-
-def _traced_here(x) -> bool:
-    """Whether `x` is a value of the trace now running: not one a body closes over from an enclosing
-    trace (a `scan`'s or `fori_loop`'s body, a `cond` branch, a `jax.checkpoint`), whose arrays jax
-    makes the body's constants. What a scan slices (a stacked layer's params) is the body's own."""
-    trace = getattr(x, "_trace", None)  # jax.core.Tracer's trace; jax has no public accessor for it
-    return not isinstance(x, jax.core.Tracer) or OpaqueTraceState(trace._weakref) == get_opaque_trace_state()
+    return any(p.acc is not None or p.gsink is not None for p in _parts(x))
 
 
 def _first_calls(params: PyTree) -> PyTree:
-    """`params` with the unit leaves that keep no carry and extraction in this call stripped of them: those
-    an earlier `unit` call of this loss materialized in the current trace, and those from an enclosing
-    trace (recorded for `micro_batch_loss`)."""
+    """`params` with the unit leaves that an earlier `unit` call of this loss materialized in the current
+    trace stripped of their carry and extraction. In `check_loss`' trace each leaf that keeps them is
+    marked (`_claimed`)."""
     called = _CALLED.get()
     if called is None:
         return params
@@ -556,60 +515,48 @@ def _first_calls(params: PyTree) -> PyTree:
     def one(x):
         if not isinstance(x, (UnitParam, GroupParam)):
             return x
-        sink = _sink(x)
-        if not _traced_here(sink):
-            if _carries(x):
-                called.outside.setdefault(id(sink), x)
-            return _replaced(x, {"extract": False}, acc=None, gsink=None)
-        traces = called.first.setdefault(id(sink), (sink, []))[1]
+        sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
+        traces = called.setdefault(id(sink), (sink, []))[1]
         if any(here == t for t in traces):
             return _replaced(x, {"extract": False}, acc=None, gsink=None)
         traces.append(here)
         if _carries(x) and _hooks([x])[0].probe:
-            jax.jit(_claimed)(sink)  # `check_reads` counts these
+            jax.jit(_claimed)(sink)
         return x
 
     return jax.tree.map(one, params, is_leaf=is_unit_leaf)
 
 
-def micro_batch_loss(loss: Callable[[PyTree], tuple], view: PyTree) -> tuple:
+def micro_batch_loss(loss: Callable[[PyTree], tuple], view: PyTree, outside: frozenset[str]) -> tuple:
     """`loss(view) -> (value, aux)` as one micro-batch's loss in a ZeRO step (`one_loss`), to differentiate
     with respect to the view's sinks (and gsinks).
 
-    A unit whose every `unit` call got its params from an enclosing trace (a loop body that closes over a
-    shared block's params and runs it once per iteration, say) kept no carry and handed nothing on; its
-    earlier micro-batches' grads are reduced and its params gathered here instead, once, after the
-    backward (`_outside`: one more collective for that unit, which the calls' own reductions do not
-    include). Its value adds 0 to `value`. A unit whose params such a body got from a trace below the
-    loss's own (a loop inside a scanned layer, closing over the layer's slice) cannot be handled so and
-    is refused."""
+    `outside`: the unit params (by path in `view`) whose first calls would not run once per step
+    (`check_loss`: a loop body that closes over a shared block's params runs it once per iteration, say).
+    Their calls keep no carry and hand nothing on; their earlier micro-batches' grads are reduced and
+    their params gathered here instead, once, after the backward (`_outside`: one more collective for
+    such a unit, which its calls' own reductions do not include). Their terms add 0 to `value`."""
+    tops, treedef = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
+    late = [x for path, x in tops if jax.tree_util.keystr(path, simple=True, separator="/") in outside]
+    stripped = [_replaced(x, {"extract": False}, acc=None, gsink=None) if any(x is y for y in late) else x
+                for _, x in tops]  # fmt: skip
     with one_loss():
-        value, aux = loss(view)
-        called = _CALLED.get()
-        late = [x for key, x in called.outside.items() if key not in called.first]
+        value, aux = loss(treedef.unflatten(stripped))
     if not late:
         return value, aux
-    if not all(_traced_here(_sink(x)) for x in late):
-        raise ConfigError(
-            "jzero.zero.unit: a unit's params are closed over by a loop body (or another jax transform) "
-            "inside a body that sliced them (a scanned layer, say): the unit runs once per iteration, and "
-            "over several micro-batches with overlap its accumulated grads and gathered params would count "
-            "once per iteration; call `unit` on the slice in the scanned body itself (the inner loop unrolled), "
-            "or set zero.overlap_grad_reduce: false (zero.overlap_param_gather: false under ZeRO-2)"
-        )
-    term = sum(_outside_of(x) for x in late)
+    term = sum(_outside(p.hook, p.value, p.sink, p.acc, p.gsink) for x in late for p in _parts(x))
     return value + term.astype(value.dtype), aux
 
 
-def _outside_of(x) -> jax.Array:
-    """`_outside` of each of the unit leaf `x`'s parts (its param, or each bucket), summed (0)."""
-    parts = [x] if isinstance(x, UnitParam) else x.buckets
-    return sum(_outside(p.hook, p.value, p.sink, p.acc, p.gsink) for p in parts)
+def _parts(x) -> list:
+    """A unit leaf's parts with a hook each: the `UnitParam`, or a `GroupParam`'s buckets."""
+    return [x] if isinstance(x, UnitParam) else list(x.buckets)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _outside(hook, value, sink, acc, gsink) -> jax.Array:
-    """0, whose backward gives the sink and the gsink what a unit's first call adds to theirs."""
+    """0, whose backward gives the sink and the gsink what a unit's first call adds to theirs
+    (`micro_batch_loss`)."""
     return jnp.zeros((), jnp.float32)
 
 
@@ -660,8 +607,8 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     def run(params, *args):
         return fn(materialize_all(params), *args, **kwargs)
 
-    if any(h.probe for h in hooks):  # `check_reads`' trace: what the loss reads, not what it recomputes; a
-        return run(params, *args)  # checkpoint would take the sinks of params a loop body closes over
+    if any(h.probe for h in hooks):  # `check_loss`' trace: what the loss reads, not what it recomputes (a
+        return run(params, *args)  # checkpoint would take the sinks, which `_claims` follows)
     if remat:
         return jax.checkpoint(run, prevent_cse=prevent_cse)(materialize_all(params, lambda hook: hook.keep), *args)
     if any(h.reshard for h in hooks):

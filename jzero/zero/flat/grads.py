@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam, check_reads, micro_batch_loss, scale_grad
+from jzero.zero.common.units import BucketParam, check_loss, micro_batch_loss, scale_grad
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -93,11 +93,12 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
     def loss_at(view):
         return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
-    def loss_of(sinks, gsinks):
-        return micro_batch_loss(loss_at, view(sinks, gsinks))
-
     zeros = sinks(prog, phase.reduce)
-    check_reads(loss_at, view(zeros, gsinks))
+    outside = check_loss(loss_at, view(zeros, gsinks))
+
+    def loss_of(sinks, gsinks):
+        return micro_batch_loss(loss_at, view(sinks, gsinks), outside)
+
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     (_, (loss, metrics, stats)), (g, full) = grad(zeros, gsinks)
     if not phase.reduce:  # this rank's own buckets, unscaled: scaled as they enter the accumulator

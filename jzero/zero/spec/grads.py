@@ -45,7 +45,7 @@ from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, check_reads, materialize, micro_batch_loss, scale_grad
+from jzero.zero.common.units import Hook, UnitParam, check_loss, materialize, micro_batch_loss, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -167,10 +167,11 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
         def loss_at(view):
             return scaled_loss(loss_metrics, loss_scale)(view, _squeeze(mb), model_state, **ep_kwargs(plan))
 
-        def loss_of(sinks, gsinks):
-            return micro_batch_loss(loss_at, view(sinks, gsinks))
+        outside = check_loss(loss_at, view(sinks, gsinks))
 
-        check_reads(loss_at, view(sinks, gsinks))
+        def loss_of(sinks, gsinks):
+            return micro_batch_loss(loss_at, view(sinks, gsinks), outside)
+
         (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
         g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g) if local else g
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
