@@ -212,11 +212,11 @@ def scan_closure_loss(params, batch):
 def test_a_unit_run_twice_trains_like_plain_optax(path, loss, strategy):
     """Over 3 micro-batches ZeRO-1 adds the accumulated grads in its last micro-batch's backward and
     hands the params its first one gathered on (`overlap_param_gather`): once per unit, not once per
-    call. Before, the block run twice took the accumulated grads twice and the params as 2 W. A body
-    that closes over the block's params (both branches of a `cond`; a loop's, which runs it once per
-    iteration) keeps neither in its calls, and the step adds both once, after the backward
-    (`units.micro_batch_loss`), whichever branch runs. Before, the loops' first step's loss was already
-    off (64.2 -> 82.4), and DDP's update."""
+    call. Before, the block run twice took the accumulated grads twice and the params as 2 W. A unit in
+    both branches of a `cond` adds them in each (one runs). A loop body that closes over the block's
+    params runs it once per iteration: `units.check_loss` finds that, and the step adds both once, after
+    the backward (`units.micro_batch_loss`). Before, the loops' first step read a loss of 82.4 against
+    64.2 (ZeRO-1), and DDP's update was off too."""
     mesh = make_mesh(MeshConfig(dp=8))
     abstract = jax.eval_shape(init_shared)
     tx = optax.adam(1e-2)
