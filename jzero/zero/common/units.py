@@ -62,6 +62,7 @@ from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10
 from jax.extend.core import Var, get_opaque_trace_state, jaxprs_in_params
 
 from jzero.errors import ConfigError
+from jzero.zero.common.strategies import path_name
 
 PyTree = Any
 # reshard_after_forward: backward keeps the unit's matmul outputs and recomputes the rest from them,
@@ -180,7 +181,12 @@ def _materialize_bwd(hook, residuals, g):
     g = scale_grad(g, hook.scale, hook.reduce_dtype)
     if acc is not None:
         g = acc + g
-    return None, _tp_local(functools.partial(_reduce, hook), g, hook), None, full
+    return None, _reduced(hook, g), None, full
+
+
+def _reduced(hook: Hook, g: jax.Array) -> jax.Array:
+    """`g` reduced over DP as the hook says (`_reduce`), on each tp rank's block."""
+    return _tp_local(functools.partial(_reduce, hook), g, hook)
 
 
 def _reduce(hook: Hook, g: jax.Array) -> jax.Array:
@@ -342,7 +348,7 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
     owners, counted = [], []  # per array of the view: the unit param holding it, or None; a sink of one that
     for path, x in tops:  # carries (`_carries`)
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        name = path_name(path)
         unit_leaf = isinstance(x, (UnitParam, GroupParam))
         for inner, _ in jax.tree_util.tree_flatten_with_path(x)[0]:
             owners.append(name if unit_leaf else None)
@@ -537,9 +543,9 @@ def micro_batch_loss(loss: Callable[[PyTree], tuple], view: PyTree, outside: fro
     their params gathered here instead, once, after the backward (`_outside`: one more collective for
     such a unit, which its calls' own reductions do not include). Their terms add 0 to `value`."""
     tops, treedef = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
-    late = [x for path, x in tops if jax.tree_util.keystr(path, simple=True, separator="/") in outside]
-    stripped = [_replaced(x, {"extract": False}, acc=None, gsink=None) if any(x is y for y in late) else x
-                for _, x in tops]  # fmt: skip
+    late = [x for path, x in tops if path_name(path) in outside]
+    stripped = [_replaced(x, {"extract": False}, acc=None, gsink=None) if path_name(path) in outside else x
+                for path, x in tops]  # fmt: skip
     with one_loss():
         value, aux = loss(treedef.unflatten(stripped))
     if not late:
@@ -569,7 +575,7 @@ def _outside_bwd(hook, residuals, g):
     param gathered, as `unit`'s forward gathers it."""
     value, acc = residuals
     if isinstance(hook, Hook):
-        reduced = None if acc is None else _tp_local(functools.partial(_reduce, hook), acc, hook)
+        reduced = None if acc is None else _reduced(hook, acc)
         full = None if value is None else _gathered(hook, value)
     else:
         reduced = None if acc is None else hook.reduce_acc(acc)
