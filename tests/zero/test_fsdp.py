@@ -4,6 +4,7 @@ own model marking its units, what each stage shards, checkpoints between stages,
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +324,26 @@ def test_a_unit_whose_first_call_is_not_once_trains_like_plain_optax(path, loss,
     z = build_zero(loss, tx, mesh, abstract, tp_specs, ZeroConfig(ShardingStrategy.OPTIM, ZeroPath(path)), units=units,
                    microbatches=3)  # fmt: skip
     trains_like_plain_optax(z, loss, init, tx, steps=2, rows=48)
+
+
+@pytest.mark.parametrize("loss, warned", [(loop_loss, True), (carry_loss, True), (shared_loss, False)],
+                         ids=["loop-closure", "carry", "twice"])  # fmt: skip
+def test_a_unit_whose_first_call_is_not_once_is_named_in_a_warning(loss, warned):
+    """Where the step adds a unit's carry and gathered params after the backward (`units.check_loss`), it
+    says so once it traces, naming the params: that unit pays one more reduction and gather per step,
+    which `jzero hlo`'s theory does not count. A block run twice by the loss keeps them in its first
+    call: no warning."""
+    abstract = jax.eval_shape(init_shared)
+    mesh, tp_specs, tx = make_mesh(MeshConfig(dp=8)), jax.tree.map(lambda _: P(), abstract), optax.adam(1e-2)
+    z = build_zero(loss, tx, mesh, abstract, tp_specs, ZeroConfig(ShardingStrategy.OPTIM), units=SHARED_UNITS,
+                   microbatches=3)  # fmt: skip
+    batch = jax.ShapeDtypeStruct((48, 9), jnp.float32, sharding=z.batch_sharding)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        z.step.lower(z.init_state(init_shared), batch)
+    said = [str(w.message) for w in caught if "jzero.zero.unit" in str(w.message)]
+    assert [("2 unit param(s) (block/b, block/w)" in m) for m in said] == ([True] * len(said) if warned else [])
+    assert bool(said) == warned
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -340,9 +341,9 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
     one in a loop body on params the loop does not slice (a closure, or its carry), which runs once per
     iteration; one in some branches of a `cond` only; two in different traces (the loss's own and a
     transform's it gives the params to). This trace marks each first call (`_claimed`) and counts the
-    marks. `micro_batch_loss` adds those params' carry and extraction once, outside their calls. In this
-    trace `unit` does not recompute (`Hook.probe`): a checkpoint would take the sinks of the params it
-    gets, which no mark needs."""
+    marks, and warns naming those params. `micro_batch_loss` adds their carry and extraction once,
+    outside their calls. In this trace `unit` does not recompute (`Hook.probe`): a checkpoint would take
+    the sinks of the params it gets, which no mark needs."""
     from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
 
     tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
@@ -375,7 +376,17 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
     irregular: set = set()
     counts = _claims(jaxpr, {v: (v, False) for v, c in zip(jaxpr.invars, counted) if c}, irregular)
     irregular |= {top for top, n in counts.items() if n > 1}
-    return frozenset(owners[jaxpr.invars.index(top)] for top in irregular)
+    outside = frozenset(owners[jaxpr.invars.index(top)] for top in irregular)
+    if outside:
+        warnings.warn(
+            f"jzero.zero.unit: {len(outside)} unit param(s) ({', '.join(sorted(outside)[:3])}"
+            f"{', ...' if len(outside) > 3 else ''}) have a first `unit` call that does not run once per step (a "
+            "loop closing over them or carrying them, a cond with the unit in some branches, a second call in a "
+            "transform): they train right, at one more reduction and gather of them per step after the backward, "
+            "which `jzero hlo`'s theory does not count (docs/fsdp.md)",
+            stacklevel=2,
+        )
+    return outside
 
 
 # What takes a stacked param's layer slice in a loop body (`p[i]`, `jnp.take`): each iteration another value.
