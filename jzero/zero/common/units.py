@@ -433,10 +433,9 @@ def _claims(jaxpr, tracked: dict, irregular: set) -> dict:
             add(inside(body, inner))
         elif name == "cond":
             branches = [inside(b.jaxpr, ins[1:]) for b in p["branches"]]
-            for top in {t for b in branches for t in b}:
-                if len({b.get(top, 0) for b in branches}) > 1:
-                    irregular.add(top)
-            add({top: max(b.get(top, 0) for b in branches) for top in {t for b in branches for t in b}})
+            per_branch = {top: [b.get(top, 0) for b in branches] for b in branches for top in b}
+            irregular.update(top for top, ns in per_branch.items() if len(set(ns)) > 1)
+            add({top: max(ns) for top, ns in per_branch.items()})
         else:
             subs = list(jaxprs_in_params(p))
             for sub in subs:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its operands as they are
