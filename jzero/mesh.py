@@ -90,6 +90,16 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names: None -> (), "tp" -> ("tp",), ("dp", "tp") as it is."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec names, in order."""
+    return tuple(a for entry in spec for a in entry_axes(entry))
+
+
 def axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     """Number of ranks in the group spanned by `axes`."""
     return math.prod(mesh.shape[a] for a in axes)

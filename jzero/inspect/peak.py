@@ -39,15 +39,13 @@ from dataclasses import dataclass
 from jzero import model as protocol
 from jzero.inspect import hlo
 from jzero.inspect.hlo_module import Instr, Module, dims, ints
+from jzero.mesh import entry_axes
 
 CATEGORIES = ("local_grads", "reduced_grads", "activations", "attention", "backward", "other")
-# Functions of jzero's grad code, by qualified name (spec path: jzero/zero/spec/step.py, `_accumulated_grads`
-# DDP's and ZeRO-1's, `_unit_grads` ZeRO-2/3's; flat path: jzero/zero/flat/step.py's `FlatProgram`).
+# Functions of jzero's grad code, by qualified name: the spec layout's (jzero/zero/spec/grads.py) and the flat
+# layout's (jzero/zero/flat/layout.py's `FlatProgram`).
 GRAD_CODE = (
     "reduced_grads",
-    "_accumulated_grads",
-    "_unit_grads",
-    "FlatProgram.local_grads",
     "FlatProgram.grads",
 )
 _ALIAS = {"bitcast", "copy", "copy-done"}
@@ -298,7 +296,7 @@ def _param_shapes(c) -> set[tuple[int, ...]]:
     for t in jax.tree.leaves(c.run.zero.plan.tensors):
         spec = tuple(t.tp_spec) + (None,) * (len(t.shape) - len(t.tp_spec))
         local = [
-            d // math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else (e or ())))
+            d // math.prod(mesh.shape[a] for a in entry_axes(e))
             for d, e in zip(t.shape, spec)
         ]
         out |= {_squeezed(local), _squeezed(local[1:] if len(local) > 1 else local)}

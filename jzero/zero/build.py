@@ -1,9 +1,9 @@
 """The one entry to `jzero.zero`: `build_zero` resolves a ZeRO run once and returns a `Zero`.
 
-Everything a harness, a checkpointer or an inspection tool needs is built here, once:
-the per-tensor ShardingPlan, the flat buffers (flat path), the train state's shardings,
-the optimizer init, the jitted train step, the reduced grads, and the conversions of the
-optimizer state to and from model space (per parameter, for checkpoints).
+Everything a harness, a checkpointer or an inspection tool needs is built here, once: the stage
+(`config.Stage`), the per-tensor ShardingPlan, the run's layout (`LAYOUTS[zero.path]`: its shardings,
+programs and conversions), the jitted step, grads and evaluate (`engine.build_programs`), and the
+conversions of the params and the optimizer state to and from model space (for checkpoints).
 """
 
 from __future__ import annotations
@@ -22,21 +22,20 @@ from jax.sharding import Mesh, NamedSharding
 
 from jzero.errors import ConfigError
 from jzero.zero.common.batch import batch_sharding
-from jzero.zero.common.offload import Offload, spec_offload
-from jzero.zero.common.probe import check_elementwise, check_groups_read
+from jzero.zero.common.offload import Offload
+from jzero.zero.common.probe import check_groups_read
 from jzero.zero.common.state import LossFn, ModelState, TrainState, ZeroState, init_train_state
 from jzero.zero.common.strategies import ShardingPlan, make_plan
 from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPath
-from jzero.zero.flat.convert import flat_to_model_space, model_space_to_flat
-from jzero.zero.flat.offload import flat_offload
-from jzero.zero.flat.plan import FlatPlan, make_flat_plan
-from jzero.zero.flat.state import from_model_params, to_model_params
-from jzero.zero.flat.state import opt_state_shardings as flat_opt_state_shardings
-from jzero.zero.flat.step import build_flat_step
+from jzero.zero.engine import Layout, LayoutInputs, build_programs
+from jzero.zero.flat.layout import flat_layout
+from jzero.zero.flat.plan import FlatPlan
+from jzero.zero.spec.layout import spec_layout
 from jzero.zero.spec.optimizer import opt_state_shardings
-from jzero.zero.spec.step import build_spec_step
 
 PyTree = Any
+# The layouts of the engine, by `zero.path`: each builds a `Layout` from the run's `LayoutInputs`.
+LAYOUTS: dict[ZeroPath, Callable[[LayoutInputs], Layout]] = {ZeroPath.SPEC: spec_layout, ZeroPath.FLAT: flat_layout}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +46,10 @@ class Zero:
       config: the ZeroConfig it was built with (strategy, path, buckets, reshard, HSDP, gather, offload).
       options: the step's options it was built with (microbatches, grad reduce dtype, clipping,
         loss scaling, has_aux): `build_zero`'s keyword arguments.
-      plan: the per-tensor shardings (`strategies.ShardingPlan`).
-      flat: Megatron's flat buffers on the flat path (per FSDP unit with `overlap_grad_reduce`, and
-        under ZeRO-3; `flat/plan.py`), None on the spec path.
+      plan: the per-tensor shardings (`strategies.ShardingPlan`; its `stage`, `config.Stage`).
+      layout: the run's layout (`engine.Layout`): its shardings, traceable programs and conversions.
+      flat: Megatron's flat buffers on the flat path (per FSDP unit where the stage reduces per unit;
+        `flat/plan.py`), None on the spec path.
       inner: the wrapped optax transformation.
       groups: per param its `groups.ParamGroup`, or None (no multipliers).
       shardings: a TrainState of NamedShardings (params tp-sharded, replicated over DP or split
@@ -59,7 +59,7 @@ class Zero:
       step: jitted (state, batch) -> (state, {"loss", "grad_norm"}); batch leaves `[B, ...]`
         split over the dense DP domain (`batch_sharding`); the state is donated.
       grads: jitted (state params, batch, model_state=None) -> the reduced grads as the optimizer reads them (spec:
-        per param in `plan.grad_shardings()`; flat: one array per bucket, [tp, S_b] dense or
+        per param in `plan.state_shardings()`; flat: one array per bucket, [tp, S_b] dense or
         [ep * tp, S_b] expert ([L, ...] a scanned stack's), split over the bucket's DP domain
         unless no_shard), of the loss
         unscaled: with fp16 params small ones may underflow where the step's scaled ones do not.
@@ -84,22 +84,38 @@ class Zero:
     config: ZeroConfig
     options: StepOptions
     plan: ShardingPlan
-    flat: FlatPlan | None
+    layout: Layout
     inner: optax.GradientTransformation
     groups: PyTree | None
     model_opt_shardings: ZeroState
-    offload: Offload
     model_state: ModelState | None
-    shardings: TrainState  # these six: the path's `state.Programs`
-    init_opt: Callable[[PyTree], ZeroState]
-    step: Callable
+    step: Callable  # these three: the engine's `Programs`
     grads: Callable
     evaluate: Callable
-    to_state: Callable | None = None
 
     @property
     def mesh(self) -> Mesh:
         return self.plan.mesh
+
+    @property
+    def flat(self) -> FlatPlan | None:
+        return self.layout.flat
+
+    @property
+    def shardings(self) -> TrainState:
+        return self.layout.shardings
+
+    @property
+    def init_opt(self) -> Callable[[PyTree], ZeroState]:
+        return self.layout.init_opt
+
+    @property
+    def offload(self) -> Offload:
+        return self.layout.offload
+
+    @property
+    def to_state(self) -> Callable | None:
+        return self.layout.to_state
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -133,8 +149,8 @@ class Zero:
     @functools.cached_property
     def _conversions(self) -> tuple[Callable, Callable]:
         """`full_params`'s and `params_from_model`'s jitted conversions, built once."""
-        to_model = jax.jit(functools.partial(to_model_params, self.flat), out_shardings=self.model_param_shardings)
-        from_model = jax.jit(functools.partial(from_model_params, self.flat), out_shardings=self.shardings.params)
+        to_model = jax.jit(self.layout.to_model, out_shardings=self.model_param_shardings)
+        from_model = jax.jit(self.layout.to_state, out_shardings=self.shardings.params)
         return to_model, from_model
 
     def params_from_model(self, params: PyTree) -> PyTree:
@@ -147,11 +163,11 @@ class Zero:
         """The optimizer state per parameter in global shapes, in device memory (identity on the spec
         path without offload); traceable."""
         opt_state, _ = self.offload.to_device(opt_state)
-        return opt_state if self.flat is None else flat_to_model_space(self.flat, self.inner, opt_state)
+        return opt_state if self.layout.to_model_space is None else self.layout.to_model_space(opt_state)
 
     def from_model_space(self, opt_state: ZeroState) -> ZeroState:
         """Inverse of `to_model_space`; traceable."""
-        return opt_state if self.flat is None else model_space_to_flat(self.flat, self.inner, opt_state)
+        return opt_state if self.layout.from_model_space is None else self.layout.from_model_space(opt_state)
 
     @property
     def keeps_main_params(self) -> bool:
@@ -166,18 +182,7 @@ class Zero:
         (`strategies.ShardingPlan.grad_buffer_shardings`; flat path: one array per bucket of
         every buffer, [tp, S_b] dense and [ep * tp, S_b] expert, `FlatPlan.bucket_specs`).
         """
-        dtype = self.options.grad_reduce_dtype if dtype is None else dtype
-        if self.flat is not None:
-            specs = self.flat.bucket_specs(sharded=self.plan.shards_grads)
-            return [
-                jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
-                for shape, spec in zip(self.flat.bucket_shapes(), specs)
-            ]
-        return jax.tree.map(
-            lambda t, s: jax.ShapeDtypeStruct(t.shape, dtype, sharding=s),
-            self.plan.tensors,
-            self.plan.grad_buffer_shardings(),
-        )
+        return self.layout.grad_buffer(self.options.grad_reduce_dtype if dtype is None else dtype)
 
 
 def xla_crashes_on_empty_params(jaxlib_version: str) -> bool:
@@ -274,29 +279,13 @@ def build_zero(
             "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
         )
     check_empty_params(abstract_params, jaxlib.__version__)
-    plan = make_plan(
-        mesh, zero.strategy, abstract_params, tp_specs, is_expert, units, zero.outer_strategy, zero.gathers_in_forward
-    )
+    plan = make_plan(mesh, zero.stage, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
-    quantized = zero.param_gather_dtype is not None
-    model_opt_sh = opt_state_shardings(inner, plan, loss_scale, quantized)
-    flat = None
-    if zero.path == ZeroPath.FLAT:
-        per_unit = zero.overlap_grad_reduce or plan.params_rest_sharded
-        flat = make_flat_plan(
-            plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, per_unit, plan.params_rest_sharded, unit_key
-        )
-        check_elementwise(inner, plan, groups)  # before any layout of its state: the error names the transformation
-        flat_sh = flat_opt_state_shardings(inner, flat, loss_scale, quantized=quantized)
-        offload = flat_offload(flat, inner, flat_sh, zero.offload_fraction)
-        built = build_flat_step(
-            loss_fn, inner, flat, options, zero, groups=groups, offload=offload if offload.active else None,
-            model_state=model_state,
-        )
-    else:
-        offload = spec_offload(plan, inner, model_opt_sh, zero.offload_fraction)
-        built = build_spec_step(
-            loss_fn, inner, plan, zero, options, groups=groups, offload=offload, opt_shardings=model_opt_sh,
-            model_state=model_state,
-        )  # fmt: skip
-    return Zero(zero, options, plan, flat, inner, groups, model_opt_sh, offload, model_state, *built)
+    model_opt_sh = opt_state_shardings(inner, plan, loss_scale, zero.param_gather_dtype is not None)
+    inputs = LayoutInputs(loss_fn, inner, plan, zero, options, groups, model_state, unit_key)
+    layout = LAYOUTS[zero.path](inputs)
+    programs = build_programs(layout, mesh, zero, options, model_state)
+    return Zero(
+        zero, options, plan, layout, inner, groups, model_opt_sh, model_state, programs.step, programs.grads,
+        programs.evaluate,
+    )  # fmt: skip

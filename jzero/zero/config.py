@@ -26,16 +26,6 @@ class ShardingStrategy(str, enum.Enum):
     OPTIM_GRADS = "optim_grads"  # ZeRO-2: ... and the reduced gradients
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3 / FSDP: ... and the model params
 
-    @property
-    def shards_grads(self) -> bool:
-        """ZeRO-2/3: the reduced grads are split over the DP domain."""
-        return self in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
-
-    @property
-    def shards_params(self) -> bool:
-        """ZeRO-3: the model params themselves are split over the inner DP axes."""
-        return self == ShardingStrategy.OPTIM_GRADS_PARAMS
-
 
 class OuterStrategy(str, enum.Enum):
     """Megatron-FSDP's `outer_dp_sharding_strategy`: what HSDP shards across the `dp_outer` replicas."""
@@ -86,8 +76,9 @@ class ZeroConfig:
     # Share of the fp32 main params and optimizer state kept in host memory (pinned_host) between
     # steps, whole params (spec) or buckets (flat) in order (`common/offload.py`); 0 = none.
     offload_fraction: float = 0.0
-    # Megatron's overlap_grad_reduce: DDP and ZeRO-1 reduce each FSDP unit's grads inside the backward
-    # (of the last micro-batch), not after it; ZeRO-2/3 always do. False: one reduction after the backward.
+    # Megatron's overlap_grad_reduce: every stage reduces each FSDP unit's grads inside the backward (DDP and
+    # ZeRO-1: of the last micro-batch), not after it; ZeRO-3, and the spec path's ZeRO-2, always do
+    # (`Stage.per_unit`). False: one reduction after the backward.
     overlap_grad_reduce: bool = True
     # Megatron's overlap_param_gather (ZeRO-1/2): the step leaves the updated params sharded and the next
     # step's forward gathers each unit's just before it runs. None: as overlap_grad_reduce (Megatron
@@ -118,33 +109,63 @@ class ZeroConfig:
                 "zero.overlap_param_gather=true needs zero.overlap_grad_reduce=true (as Megatron's); "
                 "set zero.overlap_param_gather=false, or leave it null to follow overlap_grad_reduce"
             )
-        if self.param_gather_dtype is not None and (self.shards_params or self.overlap_param_gather):
-            why = "zero.strategy=optim_grads_params" if self.shards_params else "zero.overlap_param_gather=true"
+        zero3 = self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        if self.param_gather_dtype is not None and (zero3 or self.overlap_param_gather):
+            why = "zero.strategy=optim_grads_params" if zero3 else "zero.overlap_param_gather=true"
             raise ConfigError(
                 f"zero.param_gather_dtype={self.param_gather_dtype.value} quantizes the gather after the optimizer "
                 f"step; with {why} the params are gathered in the forward instead (in the param dtype)"
             )
 
     @property
-    def shards_state(self) -> bool:
-        """Every strategy but no_shard splits the optimizer state over DP."""
-        return self.strategy != ShardingStrategy.NO_SHARD
-
-    @property
-    def shards_grads(self) -> bool:
-        return self.strategy.shards_grads
-
-    @property
-    def shards_params(self) -> bool:
-        return self.strategy.shards_params
-
-    @property
-    def gathers_in_forward(self) -> bool:
-        """ZeRO-1/2 with overlap_param_gather (its None resolved): the params rest sharded between steps."""
+    def stage(self) -> Stage:
+        """What this config shards and how its step is scheduled (`Stage`)."""
         overlap = self.overlap_param_gather
-        if overlap is None:
+        if overlap is None:  # Megatron needs overlap_grad_reduce for it; the quantized gather follows the step
             overlap = self.overlap_grad_reduce and self.param_gather_dtype is None
-        return overlap and self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
+        return Stage.of(
+            self.strategy, overlap_param_gather=overlap, overlap_grad_reduce=self.overlap_grad_reduce, path=self.path
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A ZeRO stage resolved once (`ZeroConfig.stage`): what it shards over the DP domain and how its
+    step is scheduled. Every rule that depends on the strategy and the overlap settings reads it here.
+
+    strategy: Megatron's `data_parallel_sharding_strategy`.
+    shards_state: the fp32 main params and optimizer state are split over DP (every strategy but no_shard).
+    shards_grads: the reduced grads are split over DP, and every micro-batch reduce-scatters (ZeRO-2/3).
+    shards_params: the model params are split over the inner DP axes (ZeRO-3).
+    params_rest_sharded: the model params rest between steps split over the inner DP axes and the
+      forward gathers each unit's: ZeRO-3, and ZeRO-1/2 with `overlap_param_gather`.
+    per_unit: each FSDP unit's grads are reduced inside the backward, as soon as the unit's backward is
+      done: Megatron's `overlap_grad_reduce`; ZeRO-3 always, and the spec path's ZeRO-2 always (its
+      reduce-scatters are the hooks'). Else no param is in a unit: the flat path lays one set of buffers
+      over the whole model (Megatron's without overlap), reduced after each backward, and the spec path's
+      DDP and ZeRO-1 accumulate local grads over the micro-batches and reduce them once, after the last.
+    """
+
+    strategy: ShardingStrategy
+    shards_state: bool
+    shards_grads: bool
+    shards_params: bool
+    params_rest_sharded: bool
+    per_unit: bool
+
+    @classmethod
+    def of(
+        cls, strategy, *, overlap_param_gather: bool = False, overlap_grad_reduce: bool = True,
+        path: ZeroPath = ZeroPath.SPEC,
+    ) -> Stage:  # fmt: skip
+        """The stage of `strategy` (the class docstring); `overlap_param_gather` applies to ZeRO-1/2."""
+        strategy = ShardingStrategy(strategy)
+        state = strategy != ShardingStrategy.NO_SHARD
+        zero3 = strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        grads = zero3 or strategy == ShardingStrategy.OPTIM_GRADS
+        rest_sharded = zero3 or (state and overlap_param_gather)
+        per_unit = overlap_grad_reduce or rest_sharded or zero3 or (grads and ZeroPath(path) == ZeroPath.SPEC)
+        return cls(strategy, state, grads, zero3, rest_sharded, per_unit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size
+from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, OUTER_AXIS, axes_size, spec_axes
 from jzero.zero.build import Zero
 from jzero.zero.common.state import keeps_main_params
-from jzero.zero.common.strategies import spec_axes
 from jzero.zero.config import OuterStrategy
 
 
@@ -89,15 +88,15 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
     out = {}
     for axes, p in plan.numel_by_domain().items():
         s = padded.get(axes, p)  # the flat path steps, reduces and stores its buckets, padding included
-        p_params = s if zero.flat is not None and zero.flat.params_rest_sharded and not ddp else p
+        p_params = s if zero.flat is not None and zero.flat.plan.stage.params_rest_sharded and not ddp else p
         d = axes_size(plan.mesh, axes)
         d_params = axes_size(plan.mesh, tuple(a for a in axes if a not in outer))
         d_state = d if plan.outer_strategy == OuterStrategy.OPTIM else d_params
         if ddp:
             d = d_params = d_state = 1
-        shard_state = d_state if plan.shards_state else 1
-        shard_grads = d_state if plan.shards_grads else 1
-        shard_params = d_params if plan.params_rest_sharded else 1
+        shard_state = d_state if plan.stage.shards_state else 1
+        shard_grads = d_state if plan.stage.shards_grads else 1
+        shard_params = d_params if plan.stage.params_rest_sharded else 1
         out[DOMAIN_NAMES[axes]] = {
             "axes": list(axes),
             "d": d,

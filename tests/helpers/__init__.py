@@ -36,7 +36,6 @@ from jzero.train.loop import Run, setup
 from jzero.train.model import GPTModel
 from jzero.zero.common.groups import ParamGroup
 from jzero.zero.common.state import TrainState
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ZeroConfig
 
 STEPS = 5
@@ -44,6 +43,16 @@ PATHS = ["spec", "flat"]
 MOE = {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}  # block 1 of 2 is MoE; drops tokens
 RANKS = "ranks"  # the reference's vmap axis over one micro-batch's DP ranks (the global aux loss sums over it)
 REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
+
+
+def clip_by_global_norm(grads, max_norm: float | None):
+    """The reference's clipping, Megatron's (docs/megatron.md): the grads times min(1, max_norm / (norm + 1e-6)),
+    and the norm before clipping; max_norm None: no clipping."""
+    norm = optax.tree.norm(grads)
+    if max_norm is None:
+        return grads, norm
+    coeff = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm
 
 
 def tiny_config(strategy="optim_grads", mesh=(8, 1, 1), microbatches=1, **sections) -> Config:

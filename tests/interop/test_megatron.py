@@ -251,9 +251,9 @@ def test_adamw_rounding_against_torch_order():
     import jax.numpy as jnp
     import optax
 
+    from helpers import clip_by_global_norm
     from helpers.megatron_fixtures import B1, B2, CLIP, EPS, LR, WEIGHT_DECAY, inputs, loss_fn, tree
     from jzero.zero import groups
-    from jzero.zero.common.update import clip_by_global_norm
 
     ck = megatron.read(checkpoint("single_bucket", "legacy"))
     p, m, v = (jax.device_get(tree(x)) for x in (ck.main, ck.exp_avg, ck.exp_avg_sq))

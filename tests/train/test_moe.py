@@ -24,11 +24,10 @@ from helpers import (
 )
 from jzero.config import ConfigError, DropPolicy
 from jzero.inspect.compile import abstract_state
-from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size
+from jzero.mesh import DENSE_DP_AXES, EXPERT_DP_AXES, axes_size, spec_axes
 from jzero.train import moe
 from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
-from jzero.zero.common.strategies import spec_axes
 
 MESHES = [(2, 2, 2), (4, 2, 1)]  # (dp, ep, tp)
 

@@ -41,7 +41,7 @@ def test_strings_become_enums_and_compare_equal_to_their_values():
 )
 def test_each_stage_shards_what_megatrons_table_says(strategy, state, grads, params):
     z = ZeroConfig(strategy)
-    assert (z.shards_state, z.shards_grads, z.shards_params) == (state, grads, params)
+    assert (z.stage.shards_state, z.stage.shards_grads, z.stage.shards_params) == (state, grads, params)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import MOE, PATHS, assert_matches_reference, flat_config, tiny_config
+from helpers import MOE, PATHS, assert_matches_reference, clip_by_global_norm, flat_config, tiny_config
 from helpers.checkpoints import restore_matches, train_and_save
 from jzero.cli import main
 from jzero.config import ConfigError
@@ -22,7 +22,6 @@ from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
 from jzero.zero import build_zero
 from jzero.zero.common.units import unit
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroConfig, ZeroPath
 
 ZERO3 = "optim_grads_params"
@@ -509,7 +508,7 @@ def test_the_flat_paths_zero3_refuses_only_a_quantized_gather():
     """Flat ZeRO-3 builds (its params rest as bucket shards, gathered per unit in the forward); the
     quantized gather after the optimizer step (`zero.param_gather_dtype`) has no place there."""
     z = setup(tiny_config(ZERO3, (8, 1, 1), zero={"path": "flat"}), with_data=False).zero
-    assert z.flat.params_rest_sharded and not z.params_in_state
+    assert z.flat.plan.stage.params_rest_sharded and not z.params_in_state
     with pytest.raises(ConfigError, match="params are gathered in the forward"):
         ZeroConfig(ShardingStrategy.OPTIM_GRADS_PARAMS, ZeroPath.FLAT, param_gather_dtype="int8")
 

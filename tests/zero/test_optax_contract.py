@@ -17,11 +17,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import clip_by_global_norm
 from jzero.config import ConfigError
 from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import ParamGroup, build_zero, groups
 from jzero.zero.build import xla_crashes_on_empty_params
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 STEPS = 10

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import plain_optax, rel_param_errors, setup_free_dataset, tiny_config
+from helpers import clip_by_global_norm, plain_optax, rel_param_errors, setup_free_dataset, tiny_config
 from jzero.cli import main
 from jzero.config import ConfigError
 from jzero.optim import inner_optimizer
@@ -25,7 +25,6 @@ from jzero.train.loop import setup
 from jzero.train.model import GPTModel
 from jzero.zero import build_zero, store_state_in
 from jzero.zero.common import loss_scale as scaler
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.memory import formula_split, shard_bytes
 
 

@@ -10,9 +10,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import clip_by_global_norm
 from jzero.mesh import MeshConfig, make_mesh
 from jzero.zero import build_zero, groups
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ShardingStrategy, ZeroConfig, ZeroPath
 
 

@@ -11,7 +11,7 @@ from jzero import model as protocol
 from jzero.inspect import hlo
 from jzero.inspect.comms.records import CollectiveRow, Theory, Traffic
 from jzero.inspect.compile import CPU
-from jzero.mesh import BATCH_AXES, axes_size
+from jzero.mesh import BATCH_AXES, axes_size, entry_axes
 from jzero.zero.common.strategies import restrict
 from jzero.zero.config import ZeroPath
 from jzero.zero.memory import flat_numel_by_domain
@@ -35,7 +35,7 @@ def _dtypes(c, rows: list[CollectiveRow]) -> list[str]:
     out = []
     param_dtype = c.cfg.precision.param_dtype.value
     gathered = {d for r in rows if r.kind == "all-gather" and hlo.is_dp_traffic(r.kind, r.axes) for d in r.dtypes}
-    gathers_params = c.run.zero.plan.shards_state  # DDP's all-gathers (under HSDP) move reduced grads
+    gathers_params = c.run.zero.plan.stage.shards_state  # DDP's all-gathers (under HSDP) move reduced grads
     if param_dtype != "float32" and "f32" in gathered and gathers_params and c.cfg.zero.param_gather_dtype is None:
         out.append(
             f"the params are all-gathered in f32, not {param_dtype}: XLA:CPU promotes bf16 collectives to f32 "
@@ -55,7 +55,7 @@ def _reduce_scatter(c, static: Traffic, theory: Theory) -> list[str]:
     """The theory reduce-scatters what the program all-reduces."""
     if not theory.by_kind.get("reduce-scatter") or static.dp_wire_bytes_by_kind.get("reduce-scatter"):
         return []
-    if not c.run.zero.plan.shards_state:  # DDP under HSDP
+    if not c.run.zero.plan.stage.shards_state:  # DDP under HSDP
         return [
             "no reduce-scatter: DDP's grads are all-reduced over the whole DP domain in one collective, not "
             "hierarchically (the same bytes per device, in one collective spanning dp_outer); zero.overlap_grad_reduce "
@@ -81,23 +81,23 @@ def _loops(c, per_step: Traffic, theory: Theory) -> list[str]:
     """What the micro-batch loop and the units' recompute repeat, beside the theory."""
     out = []
     cfg, plan, micro = c.cfg, c.run.zero.plan, c.cfg.train.microbatches
-    if micro > 1 and plan.shards_grads:
+    if micro > 1 and plan.stage.shards_grads:
         out.append(
             f"the grads are reduced in the micro-batch loop, {micro}x per step"
-            + (" (and the units' params gathered)" if plan.shards_params else "")
+            + (" (and the units' params gathered)" if plan.stage.shards_params else "")
             + "; `count` and `wire/device` are per instruction, `runs`, `wire/step` and the theory per step"
         )
     gather_th = theory.by_kind.get("all-gather", 0.0)
     gather_step = per_step.dp_wire_bytes_by_kind.get("all-gather", 0.0)
     remat = protocol.remat(c.run.model)
-    if plan.shards_params and cfg.zero.reshard_after_forward and remat and gather_step > 1.001 * gather_th:
+    if plan.stage.shards_params and cfg.zero.reshard_after_forward and remat and gather_step > 1.001 * gather_th:
         out.append(
             f"the all-gathers move {gather_step / gather_th:.2f}x the theory's: model.remat's recompute already "
             "gathers each unit's params again for its backward, and zero.reshard_after_forward's checkpoint, "
             "nested inside it, gathers some of them a third time; with model.remat, "
             "zero.reshard_after_forward=false gathers each unit twice"
         )
-    if plan.shards_params and micro > 1 and c.target == CPU and gather_step < 0.999 * gather_th:
+    if plan.stage.shards_params and micro > 1 and c.target == CPU and gather_step < 0.999 * gather_th:
         out.append(
             "fewer all-gather bytes than the theory: XLA:CPU hoists the gather of the params outside the units "
             f"(embeddings, final norm, head) out of the micro-batch loop, once per step, not {micro}x "
@@ -115,15 +115,14 @@ def _joint_with_tp(plan, t) -> bool:
     model_axes = tuple(a for a in plan.mesh.axis_names if a not in BATCH_AXES)
     spec = tuple(restrict(t.tp_spec, model_axes)) + (None,) * len(t.shape)
     entry = spec[t.shard_dim]
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return axes_size(plan.mesh, names) > 1
+    return axes_size(plan.mesh, entry_axes(entry)) > 1
 
 
 def _layout(c) -> list[str]:
     """What the layout adds: tp-joint shards, tensors left replicated, the flat buffers' padding."""
     out = []
     cfg, plan = c.cfg, c.run.zero.plan
-    spec_units = plan.shards_grads and cfg.zero.path == ZeroPath.SPEC
+    spec_units = plan.stage.shards_grads and cfg.zero.path == ZeroPath.SPEC
     joint = [t for t in jax.tree.leaves(plan.tensors) if spec_units and _joint_with_tp(plan, t)]
     if joint:
         names = ", ".join(t.name for t in joint[:3]) + (", ..." if len(joint) > 3 else "")

@@ -64,8 +64,7 @@ import jax.numpy as jnp
 from jzero import model as protocol
 from jzero.inspect import hlo
 from jzero.inspect.comms.records import DomainTheory, Term, Theory, Tokens
-from jzero.mesh import OUTER_AXIS, axes_size
-from jzero.zero.common.strategies import spec_axes
+from jzero.mesh import OUTER_AXIS, axes_size, spec_axes
 from jzero.zero.config import OuterStrategy, ShardingStrategy, ZeroPath
 from jzero.zero.flat import quantize
 from jzero.zero.memory import DOMAIN_NAMES

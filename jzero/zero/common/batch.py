@@ -1,7 +1,8 @@
-"""How a global batch maps onto data-parallel ranks and microbatches (both paths).
+"""How a global batch maps onto data-parallel ranks and microbatches (every layout).
 
 A batch leaf is `[B, ...]` with B split over the dense DP domain, rank-major: rank r
 holds rows `[r*B/n, (r+1)*B/n)`, and its microbatch m is the m-th contiguous block of those.
+Each rank's grad of one micro-batch is scaled by `grad_scale` before it is reduced.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
-from jzero.mesh import BATCH_AXES
+from jzero.mesh import BATCH_AXES, axes_size
 
 PyTree = Any
 
@@ -22,6 +23,12 @@ PyTree = Any
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch leaves `[B, ...]`: B split over the dense DP domain."""
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def grad_scale(mesh: Mesh, microbatches: int) -> float:
+    """Megatron's gradient_scaling_factor, 1 / (dense DP size x micro-batches), dense and expert grads alike:
+    the reduced sum of the scaled grads is the mean over the global batch."""
+    return 1.0 / (axes_size(mesh, BATCH_AXES) * microbatches)
 
 
 def split_batch(batch: PyTree, n_dp: int, microbatches: int) -> PyTree:

@@ -114,13 +114,13 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
     device = mesh.devices.flat[0]
     if device.platform not in ("gpu", "cuda", "rocm") or not config.overlap_grad_reduce:
         return {}
-    hsdp = mesh.shape.get(OUTER_AXIS, 1) > 1
+    hsdp, stage = mesh.shape.get(OUTER_AXIS, 1) > 1, config.stage
     # the grads are all-reduced across dp_outer alone, a hierarchy's last step: not pipelined (docstring)
-    across = hsdp and (config.path == ZeroPath.SPEC or config.shards_state)
+    across = hsdp and (config.path == ZeroPath.SPEC or stage.shards_state)
     pipeline = {k: v for k, v in pipeline_options(device).items() if not (across and k.endswith("all_reduce"))}
     options = {**pipeline, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1 and not across}
-    if config.path == ZeroPath.SPEC and config.shards_state:
-        options |= COMBINE["gathers" if config.shards_params else "reductions"] | (COMBINE["across"] if hsdp else {})
+    if config.path == ZeroPath.SPEC and stage.shards_state:
+        options |= COMBINE["gathers" if stage.shards_params else "reductions"] | (COMBINE["across"] if hsdp else {})
     elif config.path == ZeroPath.SPEC and hsdp:  # DDP under HSDP
         options |= COMBINE["hierarchical"]
     return options

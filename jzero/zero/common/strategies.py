@@ -49,8 +49,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
-from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, axes_size, dp_axes
-from jzero.zero.config import OuterStrategy, ShardingStrategy
+from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, axes_size, dp_axes, entry_axes, spec_axes
+from jzero.zero.config import OuterStrategy, ShardingStrategy, Stage
 
 PyTree = Any
 
@@ -89,8 +89,7 @@ class TensorPlan:
         spec = list(self.tp_spec) + [None] * (len(self.shape) - len(self.tp_spec))
         if self.shard_dim is not None:
             tp = spec[self.shard_dim]
-            tp = () if tp is None else (tp,) if isinstance(tp, str) else tuple(tp)
-            spec[self.shard_dim] = (*axes, *tp)
+            spec[self.shard_dim] = (*axes, *entry_axes(tp))
         return P(*spec)
 
     @property
@@ -114,7 +113,7 @@ class TensorPlan:
 
 
 def _tp_size(mesh: Mesh, entry) -> int:
-    return axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
+    return axes_size(mesh, entry_axes(entry))
 
 
 def choose_shard_dim(shape: tuple[int, ...], tp_spec: P, dp_size: int, mesh: Mesh, skip: int = 0) -> int | None:
@@ -141,45 +140,23 @@ class ShardingPlan:
 
     Attributes:
       mesh: the (dp_outer, dp, ep, tp) mesh.
-      strategy: the ZeRO stage.
+      stage: the ZeRO stage (`config.Stage`: what is sharded, whether the params rest sharded).
       tensors: a pytree with the params' structure whose leaves are `TensorPlan`s.
       outer_strategy: HSDP's, what is also sharded across dp_outer (module docstring).
-      overlap_param_gather: ZeRO-1/2 leave the updated params sharded like ZeRO-3's, and the next
-        forward gathers each unit's just before it runs (`params_rest_sharded`).
     """
 
     mesh: Mesh
-    strategy: ShardingStrategy
+    stage: Stage
     tensors: PyTree
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD
-    overlap_param_gather: bool = False
 
     def _tree(self, spec_of: Callable[[TensorPlan], P]) -> PyTree:
         return jax.tree.map(lambda t: NamedSharding(self.mesh, spec_of(t)), self.tensors)
 
     @property
-    def shards_state(self) -> bool:
-        return self.strategy != ShardingStrategy.NO_SHARD
-
-    @property
     def splits_ep(self) -> bool:
         """Whether some param (an expert weight) is split over the ep axis."""
         return any(EP_AXIS in spec_axes(t.tp_spec) for t in jax.tree.leaves(self.tensors))
-
-    @property
-    def shards_grads(self) -> bool:
-        return self.strategy.shards_grads
-
-    @property
-    def shards_params(self) -> bool:
-        """ZeRO-3: the model params themselves are split over the inner DP axes."""
-        return self.strategy.shards_params
-
-    @property
-    def params_rest_sharded(self) -> bool:
-        """The model params rest between steps split over their inner DP axes (`TensorPlan.inner_spec`):
-        ZeRO-3's, and ZeRO-1/2's with `overlap_param_gather`; the forward gathers them."""
-        return self.shards_params or (self.overlap_param_gather and self.shards_state)
 
     @property
     def hsdp(self) -> bool:
@@ -194,8 +171,8 @@ class ShardingPlan:
 
     def param_spec(self, t: TensorPlan) -> P:
         """Spec of `t`'s model param between steps: tp-sharded, and split over its inner DP axes where
-        the params rest sharded (`params_rest_sharded`)."""
-        return t.inner_spec if self.params_rest_sharded else t.tp_spec
+        the params rest sharded (`Stage.params_rest_sharded`)."""
+        return t.inner_spec if self.stage.params_rest_sharded else t.tp_spec
 
     def param_shardings(self) -> PyTree:
         """Model params between steps: tp-sharded; replicated over the DP domain, or split over the
@@ -204,15 +181,12 @@ class ShardingPlan:
 
     def state_spec(self, t: TensorPlan) -> P:
         """Spec of `t`'s fp32 main param and optimizer moments."""
-        return t.zero_spec if self.shards_state else t.tp_spec
+        return t.zero_spec if self.stage.shards_state else t.tp_spec
 
     def state_shardings(self) -> PyTree:
-        """fp32 main params and per-param optimizer state (moments)."""
+        """fp32 main params and per-param optimizer state (moments); the reduced gradients, as the
+        optimizer reads them, are sharded alike."""
         return self._tree(self.state_spec)
-
-    def grad_shardings(self) -> PyTree:
-        """Reduced gradients, as the optimizer reads them: sharded wherever the state is."""
-        return self._tree(lambda t: t.zero_spec if self.shards_state else t.tp_spec)
 
     def grad_buffer_shardings(self) -> PyTree:
         """The grad buffer per device (module docstring): full local grads unless optim_grads.
@@ -220,7 +194,7 @@ class ShardingPlan:
         Under DDP and ZeRO-1 the step holds it as stacked local grads (`local_grad_shardings`),
         one full tensor per rank; this gives the same per-device bytes in the param's shape.
         """
-        return self._tree(lambda t: t.zero_spec if self.shards_grads else t.tp_spec)
+        return self._tree(lambda t: t.zero_spec if self.stage.shards_grads else t.tp_spec)
 
     def local_grad_shardings(self) -> PyTree:
         """Per-rank unreduced grads stacked on a leading DP axis."""
@@ -273,7 +247,7 @@ class ShardingPlan:
 
     def replicated(self) -> list[tuple[str, int]]:
         """(name, fp32 bytes) of every tensor ZeRO leaves replicated over its DP domain."""
-        if not self.shards_state:
+        if not self.stage.shards_state:
             return []
         return [
             (t.name, 4 * t.numel)
@@ -282,20 +256,11 @@ class ShardingPlan:
         ]
 
 
-def spec_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes `spec` names, in order."""
-    names = []
-    for entry in spec:
-        names += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-    return tuple(names)
-
-
 def restrict(spec: P, axes: tuple[str, ...]) -> P:
     """`spec` naming only the mesh axes in `axes` (the manual axes of a shard_map)."""
 
     def keep(entry):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in names if a in axes)
+        kept = tuple(a for a in entry_axes(entry) if a in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return P(*(keep(e) for e in spec))
@@ -308,33 +273,31 @@ def path_name(path: tuple) -> str:
 
 def make_plan(
     mesh: Mesh,
-    strategy: ShardingStrategy,
+    stage: Stage | ShardingStrategy | str,
     abstract_params: PyTree,
     tp_specs: PyTree,
     is_expert: PyTree | None = None,
     units: PyTree | None = None,
     outer_strategy: OuterStrategy = OuterStrategy.NO_SHARD,
-    overlap_param_gather: bool = False,
 ) -> ShardingPlan:
     """Resolves the sharding of every param once.
 
     Args:
       mesh: the device mesh.
-      strategy: the ZeRO stage.
+      stage: the ZeRO stage (`ZeroConfig.stage`), or a strategy: its stage with the params resting whole.
       abstract_params: params or ShapeDtypeStructs (global shapes).
       tp_specs: same structure, the tensor-parallel PartitionSpec of each param.
       is_expert: same structure, True for expert params (default: all dense).
       units: same structure, per param None (in no FSDP unit) or its number of leading
         stacked-layer dims (`TensorPlan.unit_dims`); default: no units.
       outer_strategy: HSDP's, when the mesh's dp_outer is > 1.
-      overlap_param_gather: ZeRO-1/2 params rest sharded between steps (`ShardingPlan.params_rest_sharded`).
     """
     if is_expert is None:
         is_expert = jax.tree.map(lambda _: False, abstract_params)
     if units is None:
         units = jax.tree.map(lambda _: None, abstract_params)  # a tree of None: no leaves, see below
     outer = (OUTER_AXIS,) if mesh.shape[OUTER_AXIS] > 1 else ()
-    strategy, outer_strategy = ShardingStrategy(strategy), OuterStrategy(outer_strategy)
+    stage, outer_strategy = stage if isinstance(stage, Stage) else Stage.of(stage), OuterStrategy(outer_strategy)
 
     def plan_one(path, x, spec, expert, unit_dims):
         if bool(expert) != (EP_AXIS in spec_axes(spec)):
@@ -356,4 +319,4 @@ def make_plan(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     others = [treedef.flatten_up_to(tree) for tree in (tp_specs, is_expert, units)]  # units may hold None
     tensors = treedef.unflatten([plan_one(path, x, *rest) for (path, x), *rest in zip(leaves, *others)])
-    return ShardingPlan(mesh, strategy, tensors, outer_strategy, overlap_param_gather)
+    return ShardingPlan(mesh, stage, tensors, outer_strategy)

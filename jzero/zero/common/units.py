@@ -6,9 +6,10 @@ A unit is a group of params used together: one transformer block (Megatron-FSDP'
     y = unit(fn, unit_params, *args)        # = fn(unit_params, *args) outside a ZeRO step
 
 (the block's params, and the scan body's slice of them when the layers are stacked). Outside a
-ZeRO step (one device, inference) the params are arrays and `unit` is a plain call. Inside the
-spec path's step each param of a unit arrives as a `UnitParam`, a pytree of arrays and a static
-`Hook`:
+ZeRO step (one device, inference) the params are arrays and `unit` is a plain call. Inside a ZeRO
+step each param of a unit arrives as a `UnitParam`, a pytree of arrays and a static `UnitHook`, the
+one interface every layout's hooks have (gather, split, join, reduce_grads, reduce_acc). On the spec
+path (`Hook`) a `UnitParam` is one param:
 
   value: the param as it rests between steps: this rank's shard `W[D_dp, F_tp]` where the params
          rest sharded (ZeRO-3, and ZeRO-1/2 with `overlap_param_gather`), else the whole `W[D, F_tp]`.
@@ -40,11 +41,13 @@ Params outside every unit (embeddings, final norm, head) are materialized by the
 loss runs, and their grads reduced when their backward is complete.
 
 The flat path reduces a unit's grads per flat bucket, not per param: the loss gets the whole unit
-as one `GroupParam` leaf (at its first param; `GroupRef`s at the others) holding one `BucketParam`
-per bucket, whose static hook (`GroupHook`, the flat path's `flat/hooks.BucketHook`) gathers the
-bucket, cuts it into its params and, in backward, lays their grads into the bucket and reduces it:
-the same custom_vjp with sinks, carry and extraction, one per bucket. `unit` materializes a unit's
-groups as it materializes its `UnitParam`s.
+as one `GroupParam` leaf (at its first param; `GroupRef`s at the others) holding one `UnitParam`
+per bucket, whose hook (`flat/hooks.BucketHook`) gathers the bucket, cuts it into its params and, in
+backward, lays their grads into the bucket and reduces it: the same custom_vjp with sinks, carry and
+extraction, one per bucket. The reductions and gathers are `common/collectives.py`'s, for both.
+
+Which unit params the loss reads outside `unit`, and which units' first calls do not run once per
+step, `unit_check.check_loss` finds; `micro_batch_loss` then adds their carry after the backward.
 """
 
 from __future__ import annotations
@@ -53,16 +56,16 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10-0.11: all_gather typed invariant
-from jax.extend.core import Var, get_opaque_trace_state, jaxprs_in_params
+from jax.extend.core import get_opaque_trace_state
 
 from jzero.errors import ConfigError
+from jzero.mesh import spec_axes
+from jzero.zero.common import collectives
 from jzero.zero.common.strategies import path_name
 
 PyTree = Any
@@ -73,18 +76,41 @@ PyTree = Any
 RESHARD_POLICY = jax.checkpoint_policies.dots_saveable
 
 
+class UnitHook:
+    """What one `UnitParam`'s hook does, static and hashable: the one interface of every layout's hooks
+    (the spec path's `Hook`, one param; the flat path's `flat/hooks.BucketHook`, one flat bucket).
+
+    gather(value) -> full: what the model computes with, as one value (an all-gather where it rests sharded);
+    split(full) -> tuple: the params in it, as the model computes with them (one, for a single param);
+    join(params) -> full: `split`'s inverse (the gsink's cotangent when extracting);
+    reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (scaled, the carry added, reduced
+      over DP; or this rank's own, unscaled, where the phase only accumulates);
+    reduce_acc(acc) -> the sink's cotangent of the carry alone (`micro_batch_loss`).
+    extract: the gsink's cotangent is `join` of the materialized params (ZeRO-1/2's first micro-batch).
+    keep: the gathered params are kept for the backward even where the unit recomputes (`unit(..., remat=True)`).
+    reshard: ZeRO-3's `reshard_after_forward`: gathered again for the unit's backward.
+    probe: materializing gives zeros that do not read the value (`unit_check.check_loss`' trace). Static, so
+      no jaxpr jax caches for a traced function (a scan body, a jit) is shared with the real step's.
+    """
+
+    extract: bool = False
+    keep: bool = False
+    reshard: bool = False
+    probe: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
-class Hook:
-    """What `materialize` does to one param (static; hashable).
+class Hook(UnitHook):
+    """The spec path's `UnitHook` of one param (static; hashable): the param is its own group of one.
 
     Attributes:
       dim: the shard dim counted from the end (so slicing stacked layers leaves it unchanged),
         None if the grad is not split over DP (it is then all-reduced in one psum: DDP without
         HSDP, or a param with no divisible dim).
-      inner: the DP axes the value (when `gather`) and the first grad reduce-scatter span.
+      inner: the DP axes the value (when `gathers`) and the first grad reduce-scatter span.
       outer: the replica axes across which the inner-reduced grad is then reduced.
       outer_scatter: reduce-scatter across `outer` (HSDP optim) instead of all-reducing.
-      gather: `value` is a shard to all_gather over `inner`.
+      gathers: `value` is a shard to all_gather over `inner`.
       to_varying: the DP axes the materialized param is invariant over: cast to varying there,
         so the cotangent that reaches the hook is this rank's own grad, not an all-reduced one.
       scale: Megatron's gradient scaling factor, 1 / (DP size x microbatches).
@@ -111,7 +137,7 @@ class Hook:
     inner: tuple[str, ...]
     outer: tuple[str, ...]
     outer_scatter: bool
-    gather: bool
+    gathers: bool
     to_varying: tuple[str, ...]
     scale: float
     reduce_dtype: str
@@ -123,66 +149,47 @@ class Hook:
     keep: bool = False
     probe: bool = False
 
+    def gather(self, value: jax.Array) -> jax.Array:
+        return _gathered(self, value)
+
+    def split(self, full: jax.Array) -> tuple:
+        return (full,)
+
+    def join(self, params: tuple) -> jax.Array:
+        return params[0]
+
+    def reduce_grads(self, grads: tuple, acc) -> jax.Array:
+        (g,) = grads
+        if not self.reduce:  # only accumulates: the step scales it into its accumulator (module docstring)
+            return g
+        g = scale_grad(g, self.scale, self.reduce_dtype)
+        return _reduced(self, g if acc is None else acc + g)
+
+    def reduce_acc(self, acc: jax.Array) -> jax.Array:
+        return _reduced(self, acc)
+
 
 def _tp_local(f: Callable[[jax.Array], jax.Array], x: jax.Array, hook: Hook) -> jax.Array:
     """f(x) with f run on each tp rank's block of x (see `Hook.tp_spec`); f keeps the block's tp dims."""
     if hook.tp_spec is None:
         return f(x)
     spec = jax.sharding.PartitionSpec(*hook.tp_spec[len(hook.tp_spec) - x.ndim :])  # stacked dims sliced off
-    axes = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    axes = set(spec_axes(spec))
     mesh = jax.sharding.get_abstract_mesh()
     return jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=axes)(x)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class UnitParam:
-    """A unit's param as the loss sees it inside a ZeRO step (module docstring)."""
-
-    value: jax.Array
-    sink: jax.Array
-    hook: Hook = dataclasses.field(metadata=dict(static=True))
-    acc: jax.Array | None = None
-    gsink: jax.Array | None = None
-
-
-def is_unit_param(x) -> bool:
-    return isinstance(x, UnitParam)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _materialize(hook: Hook, value: jax.Array, sink: jax.Array, acc, gsink) -> jax.Array:
-    return _gathered(hook, value)
 
 
 def _gathered(hook: Hook, value: jax.Array) -> jax.Array:
     """The param as the model computes with it: gathered where it rests sharded, cast to varying."""
     full = value
-    if hook.gather and hook.dim is not None:
-        full = _tp_local(lambda v: jax.lax.all_gather(v, hook.inner, axis=v.ndim + hook.dim, tiled=True), value, hook)
+    if hook.gathers and hook.dim is not None:
+        full = _tp_local(lambda v: collectives.gather(v, v.ndim + hook.dim, hook.inner), value, hook)
     return jax.lax.pcast(full, hook.to_varying, to="varying") if hook.to_varying else full
-
-
-def _materialize_fwd(hook, value, sink, acc, gsink):
-    out = _gathered(hook, value)
-    return out, (acc, out if hook.extract else None)
 
 
 def scale_grad(g: jax.Array, scale: float, dtype) -> jax.Array:
     """Megatron's gradient scaling of a local grad: times `scale` in fp32, cast to the reduce `dtype`."""
     return (g.astype(jnp.float32) * scale).astype(dtype)
-
-
-def _materialize_bwd(hook, residuals, g):
-    """The unit's grad of this param -> the sink's cotangent (reduced; or this rank's own, unscaled) and,
-    when extracting, the gathered param as the gsink's."""
-    acc, full = residuals
-    if not hook.reduce:  # only accumulates: the step scales it into its accumulator (module docstring)
-        return None, g, None, full
-    g = scale_grad(g, hook.scale, hook.reduce_dtype)
-    if acc is not None:
-        g = acc + g
-    return None, _reduced(hook, g), None, full
 
 
 def _reduced(hook: Hook, g: jax.Array) -> jax.Array:
@@ -191,56 +198,28 @@ def _reduced(hook: Hook, g: jax.Array) -> jax.Array:
 
 
 def _reduce(hook: Hook, g: jax.Array) -> jax.Array:
-    if hook.dim is None:
-        return jax.lax.psum(g, hook.inner + hook.outer)
-    dim = g.ndim + hook.dim
-    g = jax.lax.psum_scatter(g, hook.inner, scatter_dimension=dim, tiled=True)
-    if hook.regather:
-        return all_gather_invariant(jax.lax.psum(g, hook.outer), hook.inner, axis=dim, tiled=True)
-    if hook.outer and hook.outer_scatter:
-        return jax.lax.psum_scatter(g, hook.outer, scatter_dimension=dim, tiled=True)
-    return jax.lax.psum(g, hook.outer) if hook.outer else g
-
-
-_materialize.defvjp(_materialize_fwd, _materialize_bwd)
-
-
-# ---------------------------------------------------------------- a unit's params as one group (flat path)
+    dim = None if hook.dim is None else g.ndim + hook.dim
+    return collectives.reduce(
+        g, dim, hook.inner, hook.outer, outer_scatter=hook.outer_scatter, regather=hook.regather
+    )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class BucketParam:
-    """One flat bucket of a unit as the loss sees it inside the flat path's step: like `UnitParam`, for
-    a bucket of several params materialized and reduced together by its static `hook` (a `GroupHook`).
+class UnitParam:
+    """What one hook materializes, as the loss sees it inside a ZeRO step (module docstring): one param
+    (the spec path's, a leaf of the params tree) or one flat bucket of a unit (in a `GroupParam`).
 
-    value: what the hook gathers: the bucket's params (as they rest whole), this rank's shard of the
-      bucket, or the whole bucket already gathered (handed on by an earlier micro-batch).
-    sink, acc, gsink: as `UnitParam`'s, shaped like the bucket (or its owned shard).
+    value: what `hook.gather` takes: the param or the bucket's params as they rest whole, this rank's
+      shard, or the whole bucket already gathered (handed on by an earlier micro-batch).
+    sink, acc, gsink: shaped like what the grad becomes, the carry, the whole param or bucket.
     """
 
     value: Any
     sink: jax.Array
-    hook: Any = dataclasses.field(metadata=dict(static=True))
+    hook: UnitHook = dataclasses.field(metadata=dict(static=True))
     acc: jax.Array | None = None
     gsink: jax.Array | None = None
-
-
-class GroupHook:
-    """What a `BucketParam`'s hook does (the flat path's `flat/hooks.BucketHook`); static and hashable.
-
-    gather(value) -> full: the bucket as one array (or the params, when they rest whole);
-    split(full) -> tuple: its params as the model computes with them, in the bucket's order;
-    join(params) -> full: `split`'s inverse (the bucket from its params, as `gather` gives it);
-    reduce_grads(grads, acc) -> the sink's cotangent from the params' grads (tuple, the bucket's order);
-    reduce_acc(acc) -> the sink's cotangent of the carry alone (`micro_batch_loss`);
-    extract / keep / reshard / probe: as `Hook`'s (the gsink's cotangent is `full`).
-    """
-
-    extract: bool = False
-    keep: bool = False
-    reshard: bool = False
-    probe: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -253,7 +232,7 @@ class GroupParam:
     bucket's params).
     """
 
-    buckets: tuple[BucketParam, ...]
+    buckets: tuple[UnitParam, ...]
     key: str = dataclasses.field(metadata=dict(static=True))
     members: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
 
@@ -272,49 +251,46 @@ def is_unit_leaf(x) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _materialize_bucket(hook: GroupHook, value, sink: jax.Array, acc, gsink) -> tuple:
+def _materialize(hook: UnitHook, value, sink: jax.Array, acc, gsink) -> tuple:
     return hook.split(hook.gather(value))
 
 
-def _bucket_fwd(hook, value, sink, acc, gsink):
+def _materialize_fwd(hook, value, sink, acc, gsink):
     params = hook.split(hook.gather(value))
     # Extracting, the residual is the params, not the bucket: the unit's recompute keeps the same
-    # params (`Hook.keep`), so the layer loop saves one copy of them instead of two.
+    # params (`UnitHook.keep`), so the layer loop saves one copy of them instead of two.
     return params, (acc, params if hook.extract else None)
 
 
-def _bucket_bwd(hook, residuals, g):
-    """The bucket's params' grads -> the sink's cotangent (reduced, or this rank's own) and, when
-    extracting, the gathered bucket (its params laid back in) as the gsink's."""
+def _materialize_bwd(hook, residuals, g):
+    """The params' grads -> the sink's cotangent (reduced, or this rank's own) and, when extracting, the
+    gathered params joined as the gsink's."""
     acc, params = residuals
     return None, hook.reduce_grads(tuple(g), acc), None, None if params is None else hook.join(params)
 
 
-_materialize_bucket.defvjp(_bucket_fwd, _bucket_bwd)
+_materialize.defvjp(_materialize_fwd, _materialize_bwd)
 
 
-def _bucket_params(b: BucketParam) -> tuple:
-    if b.hook.probe:
-        return tuple(map(jnp.zeros_like, b.hook.split(b.hook.gather(b.value))))
-    return _materialize_bucket(b.hook, b.value, b.sink, b.acc, b.gsink)
+def _arrays(x: UnitParam) -> tuple:
+    """A `UnitParam`'s params, as its hook materializes them."""
+    if x.hook.probe:
+        return tuple(map(jnp.zeros_like, x.hook.split(x.hook.gather(x.value))))
+    return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink)
 
 
 def _group_arrays(g: GroupParam) -> list[jax.Array]:
     """A `GroupParam`'s params (the group's order), each bucket materialized by its hook."""
-    out = [_bucket_params(b) for b in g.buckets]
+    out = [_arrays(b) for b in g.buckets]
     return [out[b][pos] for b, pos in g.members]
 
 
 def materialize(x):
     """A `UnitParam`'s whole param, as the model computes with it (other leaves unchanged)."""
-    if not isinstance(x, UnitParam):
-        return x
-    if x.hook.probe:
-        return jnp.zeros_like(_gathered(x.hook, x.value))
-    return _materialize(x.hook, x.value, x.sink, x.acc, x.gsink)
+    return _arrays(x)[0] if isinstance(x, UnitParam) else x
 
 
-def _replaced(x, hook: dict, **fields):
+def replaced(x, hook: dict, **fields):
     """The unit leaf `x` (a `UnitParam`, or each bucket of a `GroupParam`) with `fields` and its hooks' `hook`
     fields replaced; other leaves unchanged."""
     if isinstance(x, UnitParam):
@@ -325,134 +301,8 @@ def _replaced(x, hook: dict, **fields):
     return x
 
 
-def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
-    """Refuses `loss(view)` if it reads a unit's params other than through `unit` (an L2 penalty over
-    all params, say): there the loss sees what a `UnitParam` holds (this rank's shard where they rest
-    sharded, and the zero sinks), and the grads would miss that use. `view`: the params as the step's
-    loss takes them. Traces the loss once more, with every unit's params materialized as zeros that do
-    not depend on them (`Hook.probe`), and asks jax's dead-code elimination which of the view's arrays
-    the result still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the
-    first unit param it needs. Nothing to check without units. A primitive whose dead-code elimination
-    keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
-    counts as a read.
-
-    Returns the unit params (by their path in `view`) with a carry or extraction (`_carries`) whose
-    first calls (those that keep them: `_first_calls`) would not run exactly once per step (`_claims`):
-    one in a loop body on params the loop does not slice (a closure, or its carry), which runs once per
-    iteration; one in some branches of a `cond` only; two in different traces (the loss's own and a
-    transform's it gives the params to). This trace marks each first call (`_claimed`) and counts the
-    marks, and warns naming those params. `micro_batch_loss` adds their carry and extraction once,
-    outside their calls. In this trace `unit` does not recompute (`Hook.probe`): a checkpoint would take
-    the sinks of the params it gets, which no mark needs."""
-    from jax._src.interpreters.partial_eval import dce_jaxpr_consts  # no public API for dead-code elimination
-
-    tops, _ = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
-    owners, counted = [], []  # per array of the view: the unit param holding it, or None; a sink of one that
-    for path, x in tops:  # carries (`_carries`)
-        name = path_name(path)
-        unit_leaf = isinstance(x, (UnitParam, GroupParam))
-        for inner, _ in jax.tree_util.tree_flatten_with_path(x)[0]:
-            owners.append(name if unit_leaf else None)
-            counted.append(unit_leaf and _carries(x) and getattr(inner[-1], "name", None) == "sink")
-    if not any(owners):
-        return frozenset()
-    probing = jax.tree.map(lambda x: _replaced(x, {"probe": True}), view, is_leaf=is_unit_leaf)
-    arrays, treedef = jax.tree.flatten(probing)
-
-    def probe(arrays):
-        with one_loss():
-            return loss(treedef.unflatten(arrays))
-
-    jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
-    _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
-    read = [name for name, use in zip(owners, used) if name and use]
-    if read:
-        raise ConfigError(
-            f"jzero.zero.unit: the loss reads unit param {read[0]!r} outside `unit` (a penalty over all "
-            "params, say); in a ZeRO step a unit's params exist only inside its unit call (outside it they "
-            "are this rank's shard): compute with them in the unit's fn, or put the term in the optax chain "
-            "(weight decay: optax.add_decayed_weights)"
-        )
-    irregular: set = set()
-    counts = _claims(jaxpr, {v: (v, False) for v, c in zip(jaxpr.invars, counted) if c}, irregular)
-    irregular |= {top for top, n in counts.items() if n > 1}
-    outside = frozenset(owners[jaxpr.invars.index(top)] for top in irregular)
-    if outside:
-        warnings.warn(
-            f"jzero.zero.unit: {len(outside)} unit param(s) ({', '.join(sorted(outside)[:3])}"
-            f"{', ...' if len(outside) > 3 else ''}) have a first `unit` call that does not run once per step (a "
-            "loop closing over them or carrying them, a cond with the unit in some branches, a second call in a "
-            "transform): they train right, at one more reduction and gather of them per step after the backward, "
-            "which `jzero hlo`'s theory does not count (docs/fsdp.md)",
-            stacklevel=2,
-        )
-    return outside
-
-
-# What takes a stacked param's layer slice in a loop body (`p[i]`, `jnp.take`): each iteration another value.
-_SLICING = frozenset({"dynamic_slice", "gather"})
-
-
-def _claimed(sink):  # `_first_calls`' mark, in `check_loss`' trace, of a call that keeps its carry: a jit by this name
+def claimed(sink):  # `_first_calls`' mark, in `check_loss`' trace, of a call that keeps its carry: a jit by this name
     return sink
-
-
-def _claims(jaxpr, tracked: dict, irregular: set) -> dict:
-    """Per top-level sink, how many `_claimed` marks run per step (per layer, for a stacked param a loop
-    slices) in `jaxpr` and the jaxprs of its calls, branches and loop bodies. Adds to `irregular` the sinks
-    with a mark that runs once per iteration of a loop on a value the loop does not slice (a closure, a
-    carry), or in some branches of a `cond` but not all. `tracked`: jaxpr's vars that hold a top-level sink
-    or a value computed from one -> (the sink, whether every iteration of the innermost enclosing loop sees
-    the same value)."""
-    counts: dict = {}
-
-    def add(more: dict):
-        for top, n in more.items():
-            counts[top] = counts.get(top, 0) + n
-
-    def inside(sub, operands):  # a sub-jaxpr whose invars are `operands` (tracked or None)
-        return _claims(sub, {v: t for v, t in zip(sub.invars, operands) if t is not None}, irregular)
-
-    for eqn in jaxpr.eqns:
-        ins = [tracked.get(v) if isinstance(v, Var) else None for v in eqn.invars]
-        hit = next((t for t in ins if t is not None), None)
-        if hit is None:  # nothing computed from a sink: no mark of it either
-            continue
-        p, name = eqn.params, eqn.primitive.name
-        if name in ("jit", "pjit") and p.get("name") == _claimed.__name__:
-            top, fixed = hit
-            if fixed:
-                irregular.add(top)
-            add({top: 1})
-        elif name in ("scan", "while"):
-            if name == "scan":
-                body, (consts, carry, xs) = p["jaxpr"].jaxpr, _scan_operands(p, ins)
-                inner = [t and (t[0], True) for t in consts + carry] + [t and (t[0], False) for t in xs]
-            else:
-                body, inner = p["body_jaxpr"].jaxpr, [t and (t[0], True) for t in ins[p["cond_nconsts"] :]]
-            add(inside(body, inner))
-        elif name == "cond":
-            branches = [inside(b.jaxpr, ins[1:]) for b in p["branches"]]
-            per_branch = {top: [b.get(top, 0) for b in branches] for b in branches for top in b}
-            irregular.update(top for top, ns in per_branch.items() if len(set(ns)) > 1)
-            add({top: max(ns) for top, ns in per_branch.items()})
-        else:
-            subs = list(jaxprs_in_params(p))
-            for sub in subs:  # a call (jit, checkpoint, custom_vjp, shard_map, ...): its operands as they are
-                if len(sub.invars) == len(ins):
-                    add(inside(sub, ins))
-            sliced = name in _SLICING or any(e.primitive.name in _SLICING for sub in subs for e in sub.eqns)
-            for v in eqn.outvars:  # a value computed from the sink: a layer's slice of it, or the same
-                tracked[v] = (hit[0], hit[1] and not sliced)
-    return counts
-
-
-def _scan_operands(params: dict, operands: list) -> tuple[list, list, list]:
-    """A scan eqn's `operands` as (consts, carry, xs), in its body's order."""
-    if "num_consts" in params:  # jax 0.10
-        consts, carry = params["num_consts"], params["num_carry"]
-        return operands[:consts], operands[consts : consts + carry], operands[consts + carry :]
-    return tuple(list(part) for part in params["ft_in"].update(operands).unpack())  # jax 0.11: a FlatTree
 
 
 def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: True) -> PyTree:
@@ -513,7 +363,7 @@ def one_loss() -> Iterator[None]:
         _CALLED.reset(token)
 
 
-def _carries(x) -> bool:
+def carries(x) -> bool:
     """Whether the unit leaf `x` adds a carry or hands its params on (its first call's job)."""
     return any(p.acc is not None or p.gsink is not None for p in _parts(x))
 
@@ -521,7 +371,7 @@ def _carries(x) -> bool:
 def _first_calls(params: PyTree) -> PyTree:
     """`params` with the unit leaves that an earlier `unit` call of this loss materialized in the current
     trace stripped of their carry and extraction. In `check_loss`' trace each leaf that keeps them is
-    marked (`_claimed`)."""
+    marked (`claimed`)."""
     called = _CALLED.get()
     if called is None:
         return params
@@ -534,10 +384,10 @@ def _first_calls(params: PyTree) -> PyTree:
         sink = x.sink if isinstance(x, UnitParam) else x.buckets[0].sink
         traces = called.setdefault(id(sink), (sink, []))[1]
         if any(here == t for t in traces):
-            return _replaced(x, {"extract": False}, acc=None, gsink=None)
+            return replaced(x, {"extract": False}, acc=None, gsink=None)
         traces.append(here)
-        if _carries(x) and _hooks([x])[0].probe:
-            jax.jit(_claimed)(sink)
+        if carries(x) and _hooks([x])[0].probe:
+            jax.jit(claimed)(sink)
         return x
 
     return jax.tree.map(one, params, is_leaf=is_unit_leaf)
@@ -554,7 +404,7 @@ def micro_batch_loss(loss: Callable[[PyTree], tuple], view: PyTree, outside: fro
     such a unit, which its calls' own reductions do not include). Their terms add 0 to `value`."""
     tops, treedef = jax.tree_util.tree_flatten_with_path(view, is_leaf=is_unit_leaf)
     late = [x for path, x in tops if path_name(path) in outside]
-    stripped = [_replaced(x, {"extract": False}, acc=None, gsink=None) if path_name(path) in outside else x
+    stripped = [replaced(x, {"extract": False}, acc=None, gsink=None) if path_name(path) in outside else x
                 for path, x in tops]  # fmt: skip
     with one_loss():
         value, aux = loss(treedef.unflatten(stripped))
@@ -584,12 +434,8 @@ def _outside_bwd(hook, residuals, g):
     """The sink's cotangent: the carry reduced as the unit's backward reduces a grad; the gsink's: the
     param gathered, as `unit`'s forward gathers it."""
     value, acc = residuals
-    if isinstance(hook, Hook):
-        reduced = None if acc is None else _reduced(hook, acc)
-        full = None if value is None else _gathered(hook, value)
-    else:
-        reduced = None if acc is None else hook.reduce_acc(acc)
-        full = None if value is None else hook.gather(value)
+    reduced = None if acc is None else hook.reduce_acc(acc)
+    full = None if value is None else hook.gather(value)
     return None, reduced, None, full
 
 

@@ -96,19 +96,6 @@ def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
     return jnp.minimum(1.0, max_norm / (norm + 1e-6))
 
 
-def clip_by_global_norm(grads: PyTree, max_norm: float | None) -> tuple[PyTree, jax.Array]:
-    """(grads scaled by `clip_coefficient`, the norm before clipping); max_norm None: no clipping.
-
-    On sharded grads XLA sums the squares of each shard and all-reduces them, so the norm
-    equals the unsharded one.
-    """
-    norm = optax.tree.norm(grads)
-    if max_norm is None:
-        return grads, norm
-    coeff = clip_coefficient(norm, max_norm)
-    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm
-
-
 def inner_update(
     inner: optax.GradientTransformation,
     grads: PyTree,

@@ -1,4 +1,5 @@
-"""The flat path's collectives on one device's buckets, inside a shard_map over the whole mesh.
+"""The flat path's collectives on one device's buckets, inside a shard_map over the whole mesh: the
+HSDP rule of `common/collectives.py` applied per bucket, on its last axis.
 
 Per bucket, over that bucket's DP domain (dp_outer x dp x ep for a dense bucket, dp_outer x dp
 for an expert bucket; `FlatBuffer`):
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jzero.zero.common import collectives as common
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.flat.local import values_on_shard
 from jzero.zero.flat.plan import FlatBuffer, FlatPlan
@@ -25,15 +27,10 @@ from jzero.zero.flat.plan import FlatBuffer, FlatPlan
 def reduce_bucket(buf: FlatBuffer, g: jax.Array) -> jax.Array:
     """A bucket's DP reduction: [S_b] local grads -> the owned [S_b/d] shard (all [S_b] under DDP); on
     the last axis, so [L, S_b] -> [L, S_b/d] too."""
-    if not buf.sharded:
-        return jax.lax.psum(g, buf.dp_axes)
-    last = g.ndim - 1
-    g = jax.lax.psum_scatter(g, buf.inner_axes, scatter_dimension=last, tiled=True)
-    if not buf.outer_axes:
-        return g
-    if set(buf.outer_axes) <= set(buf.shard_axes):
-        return jax.lax.psum_scatter(g, buf.outer_axes, scatter_dimension=last, tiled=True)
-    return jax.lax.psum(g, buf.outer_axes)
+    if not buf.sharded:  # DDP: Megatron's one all-reduce per bucket over the whole domain
+        return common.reduce(g, None, buf.dp_axes, (), outer_scatter=False)
+    outer_scatter = set(buf.outer_axes) <= set(buf.shard_axes)
+    return common.reduce(g, g.ndim - 1, buf.inner_axes, buf.outer_axes, outer_scatter=outer_scatter)
 
 
 def summed_axes(buf: FlatBuffer) -> tuple[str, ...]:
@@ -52,13 +49,13 @@ def gather_outer(buf: FlatBuffer, m: jax.Array) -> jax.Array:
     """The owned [S_b/d] shard -> this rank's [S_b/d_inner] part of the bucket (`FlatBuffer.param_spec`):
     gathered across dp_outer where the state is split there (HSDP optim), else `m` itself."""
     if set(buf.outer_axes) & set(buf.shard_axes):
-        return jax.lax.all_gather(m, buf.outer_axes, axis=m.ndim - 1, tiled=True)
+        return common.gather(m, m.ndim - 1, (), buf.outer_axes)
     return m
 
 
 def gather_inner(buf: FlatBuffer, m: jax.Array) -> jax.Array:
     """A rank's [S_b/d_inner] part of the bucket -> the whole [S_b] bucket, over the inner DP axes."""
-    return jax.lax.all_gather(m, buf.inner_axes, axis=m.ndim - 1, tiled=True)
+    return common.gather(m, m.ndim - 1, buf.inner_axes)
 
 
 def gather_bucket(buf: FlatBuffer, m: jax.Array) -> jax.Array:

@@ -22,16 +22,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jzero.mesh import entry_axes, spec_axes
 from jzero.zero.common.state import ZeroState
-from jzero.zero.common.strategies import spec_axes
 from jzero.zero.flat.local import assemble
 from jzero.zero.flat.plan import FlatPlan
 
 PyTree = Any
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _padded(spec: P, ndim: int) -> list:
@@ -49,7 +45,7 @@ def _rows_to_param(piece: jax.Array, axes: tuple[str, ...], spec: P, shape: tupl
     kept = [a for a in axes if a in used]
     perm = []
     for k, entry in enumerate(_padded(spec, len(shape))):
-        perm += [kept.index(a) for a in _entry_axes(entry)] + [len(kept) + k]
+        perm += [kept.index(a) for a in entry_axes(entry)] + [len(kept) + k]
     return piece.transpose(perm).reshape(shape)
 
 
@@ -58,7 +54,7 @@ def _param_to_rows(x: jax.Array, axes: tuple[str, ...], sizes: dict[str, int], s
     per rank of `axes` (row-major), copied along the axes the spec does not name."""
     split, labels = [], []
     for k, (n, entry) in enumerate(zip(x.shape, _padded(spec, x.ndim))):
-        names = _entry_axes(entry)
+        names = entry_axes(entry)
         split += [sizes[a] for a in names] + [n // math.prod(sizes[a] for a in names)]
         labels += [*names, k]
     local = [n for n, label in zip(split, labels) if isinstance(label, int)]

@@ -1,9 +1,11 @@
-"""The flat path's gradients with overlap: each bucket reduced inside the backward, per FSDP unit.
+"""The flat path's gradients: each bucket reduced by its hook as soon as its grads are complete.
 
-With `zero.overlap_grad_reduce` (and always under ZeRO-3) the flat buffers are laid out per FSDP
-unit (`plan.py`) and every bucket's grads are reduced by its hook the moment its unit's backward
-is done (`hooks.py`): a scanned stack's buckets inside the layer loop, one layer's slice at a time;
-the rest group's (embeddings, final norm, head) when the loss's backward completes them. The
+Where the stage reduces per unit (`Stage.per_unit`: `zero.overlap_grad_reduce`, and always under
+ZeRO-3) the flat buffers are laid out per FSDP unit (`plan.py`) and every bucket's grads are reduced
+by its hook the moment its unit's backward is done (`hooks.py`): a scanned stack's buckets inside the
+layer loop, one layer's slice at a time; the rest group's (embeddings, final norm, head) when the
+loss's backward completes them. Otherwise one layout covers the whole model (the rest group), reduced
+after the backward, as Megatron's buckets without overlap. The
 micro-batches follow Megatron, as on the spec path (`common/schedule.py`):
 
   ZeRO-2/3: every micro-batch reduce-scatters each bucket into the owned shard's accumulator.
@@ -27,9 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from jzero.mesh import AXES, BATCH_AXES
+from jzero.zero.common.batch import grad_scale
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.units import BucketParam, check_loss, micro_batch_loss, scale_grad
+from jzero.zero.common.unit_check import check_loss
+from jzero.zero.common.units import UnitParam, micro_batch_loss, scale_grad
+from jzero.zero.config import Stage
 from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
@@ -41,25 +46,21 @@ def _zeros(shape, dtype, axes) -> jax.Array:
     return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
 
 
-def _mode(prog, phase: Phase) -> str:
-    if phase.stacked:
+def _mode(stage: Stage, phase: Phase) -> str:
+    if phase.stacked(stage):
         return BUCKET
-    return SHARD if phase.gather and prog.fp.params_rest_sharded else PARAMS
-
-
-def _grad_scale(prog) -> float:
-    """Megatron's gradient_scaling_factor: 1 / (dense DP size x micro-batches)."""
-    return 1.0 / (prog.fp.d * prog.options.microbatches)
+    return SHARD if phase.gathers(stage) else PARAMS
 
 
 def phase_hooks(prog, phase: Phase) -> list:
     """Per plan bucket, the `hooks.BucketHook` of `phase`."""
-    fp, o, mode = prog.fp, prog.options, _mode(prog, phase)
-    plan = fp.plan
+    fp, o = prog.fp, prog.options
+    stage = fp.plan.stage
+    mode = _mode(stage, phase)
     return bucket_hooks(
-        fp, mode, _grad_scale(prog), o.grad_reduce_dtype, reduce=phase.reduce, extract=phase.extract,
-        keep=mode == SHARD and not plan.shards_params,
-        reshard=mode == SHARD and prog.reshard_after_forward and plan.shards_params,
+        fp, mode, grad_scale(fp.plan.mesh, o.microbatches), o.grad_reduce_dtype, reduce=phase.reduces(stage),
+        extract=phase.extracts(stage), keep=mode == SHARD and not stage.shards_params,
+        reshard=mode == SHARD and prog.reshard_after_forward and stage.shards_params,
     )  # fmt: skip
 
 
@@ -76,24 +77,25 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
     """One micro-batch `mb` on this device as `phase` says: (loss, (metrics, stats), per plan bucket its grads,
     the gathered buckets when extracting else None). `params`: as the state holds them (model-shaped
     tp-local, or the resting bucket shards), or the buckets an extracting phase gave (`phase.stacked`)."""
-    fp = prog.fp
+    fp, stage = prog.fp, prog.fp.plan.stage
+    reduces = phase.reduces(stage)
     hooks = phase_hooks(prog, phase)
-    values = bucket_values(fp, _mode(prog, phase), params)
+    values = bucket_values(fp, _mode(stage, phase), params)
     gsinks = None
-    if phase.extract:
+    if phase.extracts(stage):
         dtype = prog.param_dtype
         gsinks = [_zeros((*buf.lead, buf.numel(b)), dtype, AXES) for buf, b in fp.buckets]
-    accs = acc if phase.acc else [None] * fp.n_buckets
+    accs = acc if phase.adds_carry else [None] * fp.n_buckets
     treedef = jax.tree.structure(fp.plan.tensors)
 
     def view(sinks, gsinks):
         extra = [None] * fp.n_buckets if gsinks is None else gsinks
-        return flat_view(fp, treedef, [BucketParam(*args) for args in zip(values, sinks, hooks, accs, extra)])
+        return flat_view(fp, treedef, [UnitParam(*args) for args in zip(values, sinks, hooks, accs, extra)])
 
     def loss_at(view):
         return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
-    zeros = sinks(prog, phase.reduce)
+    zeros = sinks(prog, reduces)
     outside = check_loss(loss_at, view(zeros, gsinks))
 
     def loss_of(sinks, gsinks):
@@ -101,8 +103,9 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
 
     grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     (_, (loss, metrics, stats)), (g, full) = grad(zeros, gsinks)
-    if not phase.reduce:  # this rank's own buckets, unscaled: scaled as they enter the accumulator
-        g = [scale_grad(x, _grad_scale(prog), prog.options.grad_reduce_dtype) for x in g]
+    if not reduces:  # this rank's own buckets, unscaled: scaled as they enter the accumulator
+        g = [scale_grad(x, grad_scale(fp.plan.mesh, prog.options.microbatches), prog.options.grad_reduce_dtype)
+             for x in g]  # fmt: skip
     return loss, (metrics, stats), g, full
 
 
@@ -111,12 +114,10 @@ def scheduled_grads(prog, params, batch, loss_scale=None, model_state=None):
     reduced grad buckets as shard_map returns them: [1, S_b/d] ([L, 1, S_b/d] stacked; [S_b] under DDP)),
     of the loss times `loss_scale` if given; `prog.loss_fn` in `state.loss_parts`'s form, called with
     `model_state`."""
-    fp, plan = prog.fp, prog.fp.plan
+    fp = prog.fp
     run = functools.partial(run_phase, prog, loss_scale=loss_scale, model_state=model_state)
-    losses, (metrics, stats), g = run_schedule(
-        run, params, prog.rank_microbatches(batch), gather=fp.params_rest_sharded, shards_grads=plan.shards_grads,
-        shards_params=plan.shards_params, zeros=lambda: sinks(prog, True),
-    )  # fmt: skip
+    mbs = prog.rank_microbatches(batch)
+    losses, (metrics, stats), g = run_schedule(run, params, mbs, fp.plan.stage, lambda: sinks(prog, True))
     loss, metrics = jax.lax.pmean((jnp.mean(losses), jax.tree.map(jnp.mean, metrics)), BATCH_AXES)
     stats = jax.lax.psum(jax.tree.map(lambda x: jnp.sum(x, axis=0), stats), BATCH_AXES)  # [M, ...] per device
     return (loss, metrics, stats), [from_local(buf, x) for (buf, _), x in zip(fp.buckets, g)]
@@ -126,7 +127,7 @@ def evaluate_view(prog, params) -> PyTree:
     """The params as the step's forward sees them, for the loss without grads: the resting bucket shards
     gathered per unit (the sinks, never differentiated, only need the layer dims a scan slices)."""
     fp = prog.fp
-    hooks = phase_hooks(prog, Phase(gather=True, reduce=True))
+    hooks = phase_hooks(prog, Phase.ALIKE)
     values = bucket_values(fp, SHARD, params)
-    buckets = [BucketParam(v, jnp.zeros(buf.lead), h) for v, h, (buf, _) in zip(values, hooks, fp.buckets)]
+    buckets = [UnitParam(v, jnp.zeros(buf.lead), h) for v, h, (buf, _) in zip(values, hooks, fp.buckets)]
     return flat_view(fp, jax.tree.structure(fp.plan.tensors), buckets)

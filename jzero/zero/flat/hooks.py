@@ -2,7 +2,7 @@
 
 Inside the flat step's shard_map the loss gets each unit's params as one `units.GroupParam` (the
 unit's buckets) at its first param and `units.GroupRef`s at the others; `units.unit` materializes
-the unit's buckets when it runs, each through a `units.BucketParam` whose `BucketHook` is the
+the unit's buckets when it runs, each through a `units.UnitParam` whose `BucketHook` is the
 bucket's Megatron layout (`plan.FlatBuffer`). The params in no unit (the rest group) are
 materialized before the loss runs. Per bucket b (one layer's, for a scanned stack: the layer loop
 slices the [L, ...] arrays):
@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jzero.mesh import AXES, TP_AXIS
-from jzero.zero.common.units import BucketParam, GroupHook, GroupParam, GroupRef, materialize_all, scale_grad
+from jzero.mesh import AXES, TP_AXIS, spec_axes
+from jzero.zero.common.units import GroupParam, GroupRef, UnitHook, UnitParam, materialize_all, scale_grad
 from jzero.zero.flat import collectives
 from jzero.zero.flat.local import bucket_of
 from jzero.zero.flat.plan import REST, FlatBuffer, FlatPlan
@@ -65,7 +65,7 @@ def _tp_invariant(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class BucketHook(GroupHook):
+class BucketHook(UnitHook):
     """What one bucket of a unit does in the step (module docstring); static and hashable.
 
     buf, b: the buffer and its bucket. mode: PARAMS, SHARD or BUCKET. shapes, dtypes: its params'
@@ -147,7 +147,7 @@ def bucket_hooks(fp: FlatPlan, mode: str, scale: float, reduce_dtype, **flags) -
 
 
 def _named(spec) -> set[str]:
-    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return set(spec_axes(spec))
 
 
 def bucket_values(fp: FlatPlan, mode: str, params: PyTree) -> list:
@@ -159,8 +159,8 @@ def bucket_values(fp: FlatPlan, mode: str, params: PyTree) -> list:
     return [tuple(leaves[buf.params[j]] for j in buf.layout.bucket_params[b]) for buf, b in fp.buckets]
 
 
-def flat_view(fp: FlatPlan, treedef, buckets: Sequence[BucketParam]) -> PyTree:
-    """The params as the loss takes them (module docstring), from one `BucketParam` per plan bucket:
+def flat_view(fp: FlatPlan, treedef, buckets: Sequence[UnitParam]) -> PyTree:
+    """The params as the loss takes them (module docstring), from one `UnitParam` per plan bucket:
     each unit's a `GroupParam` at its first param and `GroupRef`s at the others; the rest group's
     materialized now. `treedef`: the params' structure."""
     leaves: list = [None] * len(fp.local_shapes)

@@ -43,8 +43,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
-from jzero.mesh import AXES, DENSE_DP_AXES, EP_AXIS, EXPERT_DP_AXES, TP_AXIS, axes_size
-from jzero.zero.common.strategies import ShardingPlan, TensorPlan, spec_axes
+from jzero.mesh import AXES, DENSE_DP_AXES, EP_AXIS, EXPERT_DP_AXES, TP_AXIS, axes_size, entry_axes, spec_axes
+from jzero.zero.common.strategies import ShardingPlan, TensorPlan
 from jzero.zero.flat.buffers import Layout, build_layout
 
 PyTree = Any
@@ -108,7 +108,7 @@ class FlatBuffer:
         return self._spec(self.shard_axes if sharded else None)
 
     def param_spec(self) -> P:
-        """Spec of its model params resting as bucket shards (`FlatPlan.params_rest_sharded`): split
+        """Spec of its model params resting as bucket shards (`Stage.params_rest_sharded`): split
         over the inner DP axes only, as ZeRO-3's params on the spec path."""
         return self._spec(self.inner_axes)
 
@@ -162,8 +162,9 @@ class FlatPlan:
         rank in the norm; a tp-replicated param counts once, Megatron's
         `param_is_not_tensor_parallel_duplicate`).
       stacked: per param (leaves order), whether its group is a scanned stack (its dim 0 is [L]).
-      params_rest_sharded: the model params rest between steps as bucket shards (`FlatBuffer.param_spec`)
-        and the forward gathers each group's: ZeRO-3, and ZeRO-1/2 with `overlap_param_gather`.
+
+    Where the stage's params rest sharded (`Stage.params_rest_sharded`) they rest as bucket shards
+    (`FlatBuffer.param_spec`) and the forward gathers each group's.
     """
 
     plan: ShardingPlan
@@ -171,7 +172,6 @@ class FlatPlan:
     local_shapes: tuple[tuple[int, ...], ...]
     tp_sharded: tuple[bool, ...]
     stacked: tuple[bool, ...]
-    params_rest_sharded: bool = False
 
     @property
     def buffers(self) -> tuple[FlatBuffer, ...]:
@@ -201,11 +201,6 @@ class FlatPlan:
         return axes_size(self.plan.mesh, self.dp_axes)
 
     @property
-    def sharded(self) -> bool:
-        """Whether the optimizer state is sharded (every strategy but no_shard)."""
-        return self.plan.shards_state
-
-    @property
     def buckets(self) -> tuple[tuple[FlatBuffer, int], ...]:
         """Per plan bucket, (its buffer, its index in that buffer)."""
         return tuple((buf, b) for buf in self.buffers for b in range(buf.n_buckets))
@@ -232,14 +227,6 @@ class FlatPlan:
         """Spec of every resting param bucket (`FlatBuffer.param_spec`)."""
         return [buf.param_spec() for buf, _ in self.buckets]
 
-    def bucket_spec(self, sharded: bool | None = None, b: int | None = None) -> P:
-        """Spec of bucket b's array; b may be left out when all buckets share one (a single buffer)."""
-        if b is None:
-            if len(self.buffers) > 1:
-                raise ValueError("buffers have different bucket specs: pass b, or use bucket_specs()")
-            b = 0
-        return self.bucket_specs(sharded)[b]
-
     def bucket_shapes(self) -> list[tuple[int, ...]]:
         """Global shape of every bucket array: [tp, S_b] dense, [ep * tp, S_b] expert, [L, ...] stacked."""
         mesh = self.plan.mesh
@@ -260,7 +247,7 @@ def _local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
     out = list(shape)
     for dim, entry in enumerate(spec):
         if entry is not None:
-            out[dim] //= axes_size(mesh, (entry,) if isinstance(entry, str) else tuple(entry))
+            out[dim] //= axes_size(mesh, entry_axes(entry))
     return tuple(out)
 
 
@@ -319,7 +306,7 @@ def _group_layers(key: str, members: list[int], tensors: list[TensorPlan]) -> in
 
 def _buffers(plan, key, members, layers, layer_numel, bucket_size, pad) -> tuple[FlatBuffer, ...]:
     """One group's dense and expert buffers (each present only if it has params)."""
-    tensors, mesh, out = jax.tree.leaves(plan.tensors), plan.mesh, []
+    tensors, mesh, out, sharded = jax.tree.leaves(plan.tensors), plan.mesh, [], plan.stage.shards_state
     for kind, dp_axes, model_axes in ((DENSE, DENSE_DP_AXES, (TP_AXIS,)), (EXPERT, EXPERT_DP_AXES, (EP_AXIS, TP_AXIS))):
         mine = tuple(i for i in members if tensors[i].dp_axes == dp_axes)
         if not mine:
@@ -329,10 +316,10 @@ def _buffers(plan, key, members, layers, layer_numel, bucket_size, pad) -> tuple
         inner_axes, shard_axes = tensors[mine[0]].inner_axes, tensors[mine[0]].shard_axes
         d, d_inner = axes_size(mesh, shard_axes), axes_size(mesh, inner_axes)
         layout = build_layout(
-            [layer_numel[i] for i in mine], d if plan.shards_state else 1, bucket_size, pad_for_high_nccl_busbw=pad
+            [layer_numel[i] for i in mine], d if sharded else 1, bucket_size, pad_for_high_nccl_busbw=pad
         )
         out.append(FlatBuffer(
-            kind, dp_axes, inner_axes, shard_axes, model_axes, layout, mine, d, plan.shards_state, key, layers, d_inner
+            kind, dp_axes, inner_axes, shard_axes, model_axes, layout, mine, d, sharded, key, layers, d_inner
         ))  # fmt: skip
     return tuple(out)
 
@@ -341,14 +328,12 @@ def make_flat_plan(
     plan: ShardingPlan,
     bucket_size: int | None,
     pad_for_high_nccl_busbw: bool,
-    per_unit: bool = False,
-    params_rest_sharded: bool = False,
     unit_key: Callable[[tuple], str] | None = None,
 ) -> FlatPlan:
     """Megatron's layouts for the local params of `plan` (module docstring): per group (one per FSDP
-    unit when `per_unit`, a unit param's named by `unit_key(path)`, default the module's `unit_key`,
-    and the rest), a dense buffer and, for expert params, an expert buffer, each padded for its own DP
-    size. bucket_size None: one bucket per buffer.
+    unit where the stage reduces per unit, `Stage.per_unit`, a unit param's named by `unit_key(path)`,
+    default the module's `unit_key`, and the rest), a dense buffer and, for expert params, an expert
+    buffer, each padded for its own DP size. bucket_size None: one bucket per buffer.
 
     Raises ConfigError for what the flat path does not support: more than one param dtype,
     a param split over mesh axes its buffer does not know (an expert param not split over ep,
@@ -363,7 +348,7 @@ def make_flat_plan(
     odd = [t.name for t in tensors if t.dp_axes not in (DENSE_DP_AXES, EXPERT_DP_AXES)]
     if odd:
         raise ConfigError(f"zero.path=flat: params {odd} are in neither the dense nor the expert DP domain")
-    keys = group_keys(plan, per_unit, unit_key)
+    keys = group_keys(plan, plan.stage.per_unit, unit_key)
     groups = []
     for key in dict.fromkeys(keys):  # in the order of their first param
         members = [i for i, k in enumerate(keys) if k == key]
@@ -380,4 +365,4 @@ def make_flat_plan(
         )
     tp_sharded = tuple(TP_AXIS in spec_axes(t.tp_spec) and mesh.shape[TP_AXIS] > 1 for t in tensors)
     stacked = tuple(any(i in g.params and g.layers is not None for g in groups) for i in range(len(tensors)))
-    return FlatPlan(plan, tuple(groups), local_shapes, tp_sharded, stacked, params_rest_sharded)
+    return FlatPlan(plan, tuple(groups), local_shapes, tp_sharded, stacked)

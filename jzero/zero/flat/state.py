@@ -6,7 +6,7 @@ Optimizer state: the main params and every non-scalar state leaf one array per p
 
 Model params: where they rest whole (DDP; ZeRO-1/2 without `overlap_param_gather`) the params
 tree itself, tp-split and replicated over DP, as the spec path's. Where they rest sharded (ZeRO-3;
-ZeRO-1/2 with `overlap_param_gather`, `FlatPlan.params_rest_sharded`) one array per plan bucket in
+ZeRO-1/2 with `overlap_param_gather`, `Stage.params_rest_sharded`) one array per plan bucket in
 the param dtype, shaped like the optimizer state's but split over the inner DP axes only
 (`FlatBuffer.param_spec`): the step's forward gathers each unit's. `to_model_params` and
 `from_model_params` convert them to and from the params tree (model space, `plan.param_shardings()`).
@@ -66,7 +66,7 @@ def opt_state_shardings(
 def param_shardings(fp: FlatPlan) -> PyTree:
     """How the state holds the model params (module docstring): the params tree in the plan's tp
     shardings, or, where they rest sharded, one NamedSharding per plan bucket (`FlatBuffer.param_spec`)."""
-    if fp.params_rest_sharded:
+    if fp.plan.stage.params_rest_sharded:
         return [NamedSharding(fp.plan.mesh, spec) for spec in fp.param_specs()]
     return fp.plan.param_shardings()
 
@@ -74,13 +74,13 @@ def param_shardings(fp: FlatPlan) -> PyTree:
 def to_model_params(fp: FlatPlan, params: PyTree) -> PyTree:
     """The state's params -> the params tree (global shapes, model dtypes); identity where they rest whole.
     Traceable: jit it with out_shardings `fp.plan.param_shardings()` and XLA moves only shards."""
-    if not fp.params_rest_sharded:
+    if not fp.plan.stage.params_rest_sharded:
         return params
     return jax.tree.unflatten(jax.tree.structure(fp.plan.tensors), buckets_to_params(fp, list(params)))
 
 
 def from_model_params(fp: FlatPlan, params: PyTree) -> PyTree:
     """Inverse of `to_model_params`: the params tree -> what the state holds. Traceable."""
-    if not fp.params_rest_sharded:
+    if not fp.plan.stage.params_rest_sharded:
         return params
     return params_to_buckets(fp, jax.tree.leaves(params))

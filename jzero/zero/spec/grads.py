@@ -22,11 +22,10 @@ unit's are all-gathered just before it runs. ZeRO-3 gathers them again for its b
 first micro-batch hands what it gathered to the later ones (the `gsink`s), so they are gathered once
 per step: ZeRO-2's memory and wire bytes, with the gather overlapped with the forward.
 
-With `zero.overlap_grad_reduce: false`, DDP and ZeRO-1 run as before it existed
-(`_accumulated_grads`): local grads stacked `[n_dp, *shape]`, one slice per rank, accumulated over
-the micro-batches and reduced once after the last by an explicit sum whose output sharding is the
-strategy's grad sharding (XLA emits the all-reduce or reduce-scatter; on CPU all-reduce +
-dynamic-slice: docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU").
+With `zero.overlap_grad_reduce: false` DDP and ZeRO-1 put no param in a unit (`Stage.per_unit`): every
+micro-batch only accumulates this rank's local grads, stacked `[n_dp, *shape]`, and after the last
+an explicit sum over the ranks, in the strategy's grad sharding, reduces them (`_reduce_local`: XLA
+emits the collective). ZeRO-2 and ZeRO-3 reduce per unit whatever the setting.
 """
 
 from __future__ import annotations
@@ -40,12 +39,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
-from jzero.zero.common.batch import split_batch
+from jzero.zero.common.batch import grad_scale, split_batch
 from jzero.zero.common.loss_scale import scaled_loss
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.units import Hook, UnitParam, check_loss, materialize, micro_batch_loss, scale_grad
+from jzero.zero.common.unit_check import check_loss
+from jzero.zero.common.units import Hook, UnitParam, materialize, micro_batch_loss, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -53,30 +53,30 @@ PyTree = Any
 
 def unit_hooks(plan: ShardingPlan, options: StepOptions, reshard_after_forward: bool, phase: Phase) -> PyTree:
     """Per param, the `units.Hook` that materializes it and reduces its grad in `phase`."""
-    scale = grad_scale(plan, options)
+    scale, stage = grad_scale(plan.mesh, options.microbatches), plan.stage
 
     def hook(t: TensorPlan) -> Hook:
-        gather = phase.gather and t.shard_dim is not None and plan.params_rest_sharded
-        value_spec = t.local_grad_spec if phase.stacked else plan.param_spec(t) if phase.gather else t.tp_spec
+        gather = phase.gathers(stage) and t.shard_dim is not None
+        value_spec = t.local_grad_spec if phase.stacked(stage) else plan.param_spec(t) if gather else t.tp_spec
         varying = set(spec_axes(restrict(value_spec, BATCH_AXES))) | (set(t.inner_axes) if gather else set())
         outer = tuple(a for a in t.dp_axes if a not in t.inner_axes)
-        regather = not plan.shards_state and bool(outer)  # DDP under HSDP: a hierarchical all-reduce
-        split = t.shard_dim is not None and (plan.shards_state or regather)  # the grad is split on its shard dim
+        regather = not plan.stage.shards_state and bool(outer)  # DDP under HSDP: a hierarchical all-reduce
+        split = t.shard_dim is not None and (plan.stage.shards_state or regather)  # the grad is split on its shard dim
         return Hook(
             dim=t.shard_dim - len(t.shape) if split else None,
             inner=t.inner_axes,
             outer=outer,
             outer_scatter=OUTER_AXIS in t.shard_axes,
-            gather=gather,
+            gathers=gather,
             to_varying=tuple(a for a in BATCH_AXES if a not in varying),
             scale=scale,
             reduce_dtype=jnp.dtype(options.grad_reduce_dtype).name,
-            reshard=gather and reshard_after_forward and plan.shards_params,
+            reshard=gather and reshard_after_forward and stage.shards_params,
             regather=regather and split,
             tp_spec=_tp_only(plan, t),
-            reduce=phase.reduce,
-            extract=phase.extract,
-            keep=gather and not plan.shards_params,
+            reduce=phase.reduces(stage),
+            extract=phase.extracts(stage),
+            keep=gather and not stage.shards_params,
         )
 
     return jax.tree.map(hook, plan.tensors)
@@ -103,16 +103,11 @@ def unit_view(
 
     def wrap(t, p, sink, h, acc, gsink):
         x = UnitParam(p, sink, h, acc, gsink)
-        return x if t.unit_dims is not None else materialize(x)
+        return x if t.unit_dims is not None and plan.stage.per_unit else materialize(x)
 
     leaves, treedef = jax.tree.flatten(plan.tensors)
     rest = [treedef.flatten_up_to(tree) for tree in (params, sinks, hooks, accs, gsinks)]
     return treedef.unflatten([wrap(*args) for args in zip(leaves, *rest)])
-
-
-def grad_scale(plan: ShardingPlan, options: StepOptions) -> float:
-    """Megatron's gradient_scaling_factor 1 / (dense DP size x microbatches), dense and expert alike."""
-    return 1.0 / (axes_size(plan.mesh, BATCH_AXES) * options.microbatches)
 
 
 def ep_kwargs(plan: ShardingPlan) -> dict:
@@ -139,26 +134,26 @@ def _specs(plan: ShardingPlan, phase: Phase) -> _Specs:
     def of(spec_of):
         return jax.tree.map(lambda t: restrict(spec_of(t), BATCH_AXES), plan.tensors)
 
-    local = of(lambda t: t.local_grad_spec)
-    grads = of(lambda t: t.zero_spec if plan.shards_state else t.tp_spec)
-    params = local if phase.stacked else of(plan.param_spec) if phase.gather else of(lambda t: t.tp_spec)
-    return _Specs(params, grads if phase.reduce else local, local)
+    stage, local = plan.stage, of(lambda t: t.local_grad_spec)
+    params = local if phase.stacked(stage) else of(plan.param_spec) if phase.gathers(stage) else of(lambda t: t.tp_spec)
+    return _Specs(params, of(plan.state_spec) if phase.reduces(stage) else local, local)
 
 
 def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, loss_scale=None, model_state=None):
     """One micro-batch `mb` ([n_dp, b, ...]) on every rank as `phase` says: (losses [n_dp], (metrics,
     stats) [n_dp], grads, extracted params or None), `loss_metrics` in `state.loss_parts`'s form and
-    called with `model_state`. grads are reduced in `plan.grad_shardings()`, or, for a
+    called with `model_state`. grads are reduced in `plan.state_shardings()`, or, for a
     phase that does not reduce, this rank's own stacked `[n_dp, *shape]` in `plan.local_grad_shardings()`;
     extracted params are each rank's gathered copy, stacked alike (a later phase's `stacked` params)."""
-    mesh, reduce_dtype, scale = plan.mesh, options.grad_reduce_dtype, grad_scale(plan, options)
+    mesh, reduce_dtype, stage = plan.mesh, options.grad_reduce_dtype, plan.stage
+    scale, reduces = grad_scale(mesh, options.microbatches), phase.reduces(stage)
     hooks = unit_hooks(plan, options, config.reshard_after_forward, phase)
     specs, stacked = _specs(plan, phase), P(BATCH_AXES)
 
     def rank(params, sinks, accs, gsinks, mb, loss_scale, model_state):  # one rank's [1, b, ...] rows
-        local = not phase.reduce
+        local = not reduces
         sinks = _squeeze(sinks) if local else sinks
-        params = _squeeze(params) if phase.stacked else params
+        params = _squeeze(params) if phase.stacked(stage) else params
         gsinks = None if gsinks is None else _squeeze(gsinks)
 
         def view(sinks, gsinks):
@@ -177,16 +172,16 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
         return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g, full
 
-    grad_sh = plan.grad_shardings() if phase.reduce else plan.local_grad_shardings()
+    grad_sh = plan.state_shardings() if reduces else plan.local_grad_shardings()
 
     def sink(t, s):  # a phase that only accumulates gets its grads unscaled in the param dtype (`units.UnitParam`)
-        if phase.reduce:
+        if reduces:
             return _zeros(t.shape, reduce_dtype, s)
         return _zeros((axes_size(mesh, t.dp_axes), *t.shape), t.dtype, s)
 
     sinks = jax.tree.map(sink, plan.tensors, grad_sh)
     gsinks = None
-    if phase.extract:
+    if phase.extracts(stage):
         local_sh = plan.local_grad_shardings()
         gsinks = jax.tree.map(lambda t, s: _zeros((axes_size(mesh, t.dp_axes), *t.shape), t.dtype, s), plan.tensors,
                               local_sh)  # fmt: skip
@@ -214,7 +209,7 @@ def reduced_grads(
     model_state: PyTree = None,
 ) -> tuple[jax.Array, dict, PyTree, PyTree]:
     """Mean loss, mean metrics, the model's stats summed over ranks and micro-batches, and the
-    data-parallel mean of the gradients, in `plan.grad_shardings()`.
+    data-parallel mean of the gradients, in `plan.state_shardings()`.
 
     Expert params (split over ep) enter each rank as its local experts and their grads
     leave stacked over the expert-DP domain only: `loss_fn` gets `ep_axis=` and moves tokens
@@ -224,108 +219,33 @@ def reduced_grads(
       params: in `plan.param_shardings()` (sharded where they rest sharded).
       batch: leaves `[B, ...]`, B split over the dense DP domain.
       options: microbatches, the grad reduce dtype, has_aux.
-      config: `overlap_grad_reduce` and `reshard_after_forward` are read here.
+      config: `reshard_after_forward` is read here.
       loss_scale: fp16's loss scale (a scalar): the grads are those of loss x loss_scale
         (`common/loss_scale.py`); the loss and metrics returned are not scaled. None: no scaling.
       hook, model_state: the model's `ModelState` and its current value (replicated): the loss is
         then called with `model_state=` and returns (loss, metrics, stats). None: a stateless loss.
     Returns:
       (loss, metrics, stats, grads): stats replicated ({} without a hook), grads in the grad reduce
-      dtype, sharded like `plan.grad_shardings()`.
+      dtype, sharded like `plan.state_shardings()`.
     """
     mesh = plan.mesh
     mbs = split_batch(batch, axes_size(mesh, BATCH_AXES), options.microbatches)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
     loss_metrics = loss_parts(loss_fn, options.has_aux, hook)
-    if plan.shards_grads or config.overlap_grad_reduce:
-        losses, (metrics, stats), g = _scheduled_grads(
-            loss_metrics, params, mbs, plan, options, config, loss_scale, model_state
-        )
-    else:
-        losses, (metrics, stats), g = _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale,
-                                                         model_state)  # fmt: skip
-    # Per rank and micro-batch [..., n_dp, *shape] (one micro-batch's sums, [M, *shape], without overlap):
-    # every leading dim is summed.
-    stats = jax.tree.map(lambda x, s: jnp.sum(x.reshape(-1, *s.shape), axis=0), stats, _stat_shapes(stats, losses))
-    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics), stats, g
-
-
-def _stat_shapes(stats: PyTree, losses: jax.Array) -> PyTree:
-    """Each stat's shape per rank and micro-batch: its shape past the leading dims `losses` has."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[losses.ndim :], x.dtype), stats)
-
-
-def _scheduled_grads(loss_metrics, params, mbs, plan, options, config, loss_scale, model_state):
-    """The micro-batches as `Phase`s (`common/schedule.py`): (losses [M, n_dp], (metrics, stats), reduced
-    grads)."""
     run = functools.partial(run_phase, loss_metrics, plan, options, config, loss_scale=loss_scale,
                             model_state=model_state)  # fmt: skip
     zeros = lambda: jax.tree.map(  # noqa: E731
-        lambda t, s: _zeros(t.shape, options.grad_reduce_dtype, s), plan.tensors, plan.grad_shardings()
+        lambda t, s: _zeros(t.shape, options.grad_reduce_dtype, s), plan.tensors, plan.state_shardings()
     )
-    return run_schedule(
-        run, params, mbs, gather=plan.params_rest_sharded, shards_grads=plan.shards_grads,
-        shards_params=plan.shards_params, zeros=zeros,
-    )  # fmt: skip
+    reduce_after = None if plan.stage.per_unit else functools.partial(_reduce_local, plan, options)
+    losses, (metrics, stats), g = run_schedule(run, params, mbs, plan.stage, zeros, reduce_after)
+    stats = jax.tree.map(lambda x: jnp.sum(x.reshape(-1, *x.shape[2:]), axis=0), stats)  # [M, n_dp, ...] summed
+    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics), stats, g
 
 
-def _accumulated_grads(loss_metrics, params, mbs, plan, options, loss_scale, model_state):
-    """DDP and ZeRO-1 (module docstring): (losses, metrics, grads) with the local grads accumulated over
-    the microbatches and reduced once, after the last."""
-    mesh, reduce_dtype = plan.mesh, options.grad_reduce_dtype
-    scale, ep = grad_scale(plan, options), ep_kwargs(plan)
-    local_sh, grad_sh = plan.local_grad_shardings(), plan.grad_shardings()
-    param_specs = jax.tree.map(lambda t: restrict(t.tp_spec, BATCH_AXES), plan.tensors)
-    # Per param, the DP axes it enters replicated over (all of them but ep for an expert weight).
-    invariant = jax.tree.map(
-        lambda s: tuple(a for a in BATCH_AXES if a not in spec_axes(s)), param_specs, is_leaf=_is_spec
-    )
-
-    def rank_grads(params, mb, loss_scale, model_state):  # one rank's [1, b, ...] rows -> [1] loss, metrics
-        # and stats, [1, *shape] grads. DP-varying, so autodiff gives local grads (an expert param already
-        # varies over ep).
-        params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying") if axes else p, params, invariant)
-        (_, (loss, *aux)), g = jax.value_and_grad(scaled_loss(loss_metrics, loss_scale), has_aux=True)(
-            params, jax.tree.map(lambda x: x[0], mb), model_state, **ep
-        )
-        g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g)
-        return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g
-
-    stacked = P(BATCH_AXES)
-    local_grads_fn = jax.shard_map(
-        rank_grads,
-        mesh=mesh,
-        in_specs=(param_specs, stacked, P(), P()),
-        out_specs=(stacked, stacked, jax.tree.map(lambda t: restrict(t.local_grad_spec, BATCH_AXES), plan.tensors)),
-        axis_names=set(BATCH_AXES),
-    )
-
-    def local_grads(mb):
-        """[n_dp, ...] per-rank losses, metrics and grads of one microbatch, one slice per rank."""
-        loss, metrics, g = local_grads_fn(params, mb, loss_scale, model_state)
-        return loss, metrics, jax.tree.map(jax.lax.with_sharding_constraint, g, local_sh)
-
-    def reduce(g):  # the DP collective: sum over ranks into the strategy's grad sharding
-        summed = jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=reduce_dtype), g)
-        return jax.tree.map(jax.lax.with_sharding_constraint, summed, grad_sh)
-
-    if options.microbatches == 1:
-        loss, metrics, g = local_grads(jax.tree.map(lambda x: x[0], mbs))
-        return loss, metrics, reduce(g)
-
-    def body(acc, mb):  # the per-microbatch means (the stats' sums), as the step has always averaged them
-        loss, (metrics, stats), g = local_grads(mb)
-        means = jax.tree.map(jnp.mean, metrics)
-        return jax.tree.map(jnp.add, acc, g), (jnp.mean(loss), (means, jax.tree.map(lambda x: x.sum(0), stats)))
-
-    acc0 = jax.tree.map(
-        lambda t, s: _zeros((axes_size(mesh, t.dp_axes), *t.shape), reduce_dtype, s), plan.tensors, local_sh
-    )
-    acc, (losses, metrics) = jax.lax.scan(body, acc0, mbs)
-    return losses, metrics, reduce(acc)
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
+def _reduce_local(plan: ShardingPlan, options: StepOptions, g: PyTree) -> PyTree:
+    """DDP's and ZeRO-1's accumulated local grads, stacked `[n_dp, *shape]`, summed over the ranks into the
+    strategy's grad sharding: XLA emits the all-reduce (or, on GPU, ZeRO-1's reduce-scatter; on CPU
+    all-reduce + dynamic-slice: docs/xla.md, "Reduce-scatter: XLA:CPU vs XLA:GPU")."""
+    summed = jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=options.grad_reduce_dtype), g)
+    return jax.tree.map(jax.lax.with_sharding_constraint, summed, plan.state_shardings())

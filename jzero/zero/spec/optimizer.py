@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 from jzero.mesh import axes_size
 from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
-from jzero.zero.common.offload import Offload
 from jzero.zero.common.state import ZeroState, keeps_main_params
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, choose_shard_dim
 from jzero.zero.common.update import finish, model_copy, optimizer_step
@@ -77,7 +76,7 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
         tensor = None if owner is None else plan.tensor(owner)
         if tensor is not None and tuple(leaf.shape) == tensor.shape:
             return NamedSharding(plan.mesh, plan.state_spec(tensor))
-        if not leaf.shape or not plan.shards_state:
+        if not leaf.shape or not plan.stage.shards_state:
             return replicated
         axes = plan.dense_shard_axes() if tensor is None else tensor.shard_axes
         dim = choose_shard_dim(tuple(leaf.shape), P(), axes_size(plan.mesh, axes), plan.mesh)
@@ -117,7 +116,7 @@ def _gather(main: jax.Array, param: jax.Array, t: TensorPlan, plan: ShardingPlan
     peak is the full local grad buffer in backward, XLA lays the stacked grads out worse with it
     (45.2 -> 55.0 GiB), so it gathers whole params there."""
     sharding = NamedSharding(plan.mesh, plan.param_spec(t))
-    if not (t.unit_dims and plan.shards_grads) or main.shape[0] == 1 or plan.param_spec(t) == plan.state_spec(t):
+    if not (t.unit_dims and plan.stage.shards_grads) or main.shape[0] == 1 or plan.param_spec(t) == plan.state_spec(t):
         return jax.lax.with_sharding_constraint(model_copy(main, param.dtype), sharding)
     layer = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     per_layer = jax.lax.map(lambda m: jax.lax.with_sharding_constraint(model_copy(m, param.dtype), layer), main)
@@ -130,7 +129,6 @@ def zero_optimizer(
     clip_grad: float | None = None,
     groups: PyTree | None = None,
     loss_scale: DynamicLossScale | None = None,
-    offload: Offload | None = None,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
 
@@ -141,8 +139,6 @@ def zero_optimizer(
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
       loss_scale: fp16's dynamic loss scaling (`common/loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
-      offload: the state leaves `step` reads from and writes back to host memory (`common/offload.py`),
-        or None; they are stepped in device memory.
     """
     shardings = opt_state_shardings(inner, plan, loss_scale)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
@@ -156,8 +152,6 @@ def zero_optimizer(
         return ZeroState(main if keep_main else None, inner_state, grad_scaler)
 
     def step(grads, state, params):
-        if offload is not None:
-            state, grads = offload.to_device(state, after=grads)
         grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state_sh)  # each rank's shard
         main = state.main_params if keep_main else _constrain(params, state_sh)
         update = optimizer_step(
@@ -169,6 +163,6 @@ def zero_optimizer(
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))
         new_params, new_state, metrics = finish(loss_scale, update, params, state, new_params, new_state)
-        return new_params, new_state if offload is None else offload.to_host(new_state), metrics
+        return new_params, new_state, metrics
 
     return ZeroOptimizer(init, step)

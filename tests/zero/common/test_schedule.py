@@ -1,6 +1,8 @@
 """jzero.zero.common.schedule: Megatron's micro-batch schedule with overlap, which both paths share: which
 micro-batch gathers, reduces, hands its gathered params on or only accumulates, and the grads summed."""
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,28 +11,42 @@ from helpers import tiny_config
 from helpers.programs import needs_gpu_plugin
 from jzero.inspect.compile import compile_step
 from jzero.inspect.hlo_module import Module
-from jzero.zero.common.schedule import Phase, run_schedule
+from jzero.zero.common.schedule import run_schedule
+from jzero.zero.config import Stage
 
 SCAN = {"scan_layers": True, "remat": True}  # stacked layers inside a scan, recomputed in backward
 
 
+class Phase(NamedTuple):
+    """What a `schedule.Phase` does in a stage."""
+
+    gather: bool
+    reduce: bool
+    extract: bool = False
+    acc: bool = False
+    stacked: bool = False
+
+
 def _schedule(m, gather, shards_grads, shards_params):
     """The phases `run_schedule` traces over `m` micro-batches, in order (the micro-batches a scan runs
-    alike are traced once), and the grads it returns, of a `run` whose grads are the micro-batch's value."""
+    alike are traced once), and the grads it returns, of a `run` whose grads are the micro-batch's value.
+    gather: the params rest sharded."""
+    strategy = "optim_grads_params" if shards_params else "optim_grads" if shards_grads else "optim"
+    stage = Stage.of(strategy, overlap_param_gather=gather)
+    assert (stage.params_rest_sharded, stage.shards_grads, stage.shards_params) == (gather, shards_grads, shards_params)
     phases = []
     resting, gathered = (jnp.zeros(()),), (jnp.zeros(()), jnp.zeros(()))  # told apart by their length
 
-    def run(phase, params, mb, acc=None):
+    def run(role, params, mb, acc=None):
+        phase = Phase(role.gathers(stage), role.reduces(stage), role.extracts(stage), role.adds_carry,
+                      role.stacked(stage))  # fmt: skip
         assert phase.stacked == (len(params) == len(gathered))
         phases.append(phase)
         g = mb + (acc if phase.acc else 0.0)
         return mb * 0.0, {"m": mb}, g, gathered if phase.extract else None
 
     mbs = jnp.arange(1.0, m + 1)
-    losses, metrics, g = run_schedule(
-        run, resting, mbs, gather=gather, shards_grads=shards_grads, shards_params=shards_params,
-        zeros=lambda: jnp.zeros(()),
-    )  # fmt: skip
+    losses, metrics, g = run_schedule(run, resting, mbs, stage, zeros=lambda: jnp.zeros(()))
     assert losses.shape == (m,) and metrics["m"].shape == (m,)
     np.testing.assert_array_equal(metrics["m"], mbs)  # every micro-batch once, in order
     return phases, float(g)

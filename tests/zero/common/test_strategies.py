@@ -43,7 +43,7 @@ def test_state_bytes_are_one_over_dp(strategy, ddp_bytes):
     # microbatch); the grad buffer they accumulate in is full under ZeRO-1, as in Megatron.
     grads = run.zero.grads(state.params, run.device_batch(0))
     assert per_device_bytes(grads) == ddp_bytes["grads"] // 4
-    assert _shardings(grads) == jax.tree.leaves(run.zero.plan.grad_shardings())
+    assert _shardings(grads) == jax.tree.leaves(run.zero.plan.state_shardings())
     buffer = shard_bytes(run.zero.grad_buffer_structs(jax.numpy.float32))
     assert buffer == (ddp_bytes["grads"] // 4 if strategy == "optim_grads" else ddp_bytes["grads"])
 
@@ -136,7 +136,7 @@ def test_what_each_strategy_splits_of_a_pytree_model(strategy, param, grad_buffe
     w = t["w"]
     assert plan.param_spec(w) == param and plan.state_spec(w) == state
     assert plan.grad_buffer_shardings()["w"].spec == grad_buffer
-    assert plan.grad_shardings()["w"].spec == state  # the reduced grads are split wherever the state is
+    assert plan.state_shardings()["w"].spec == state  # the reduced grads are split wherever the state is
     assert plan.state_spec(t["v"]) == (P(None, DP) if strategy != "no_shard" else P())
     assert plan.replicated() == ([] if strategy == "no_shard" else [("bias", 4 * 6)])
 

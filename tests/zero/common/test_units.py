@@ -48,6 +48,6 @@ def test_a_units_reduced_grads_are_the_plain_loss_grads(strategy, reshard):
     batch = pytree.batch()
     got = z.grads(jax.device_put(params, z.shardings.params), jax.device_put(batch, z.batch_sharding))
     want = jax.grad(pytree.loss)(params, batch)
-    assert [g.sharding for g in jax.tree.leaves(got)] == jax.tree.leaves(z.plan.grad_shardings())
+    assert [g.sharding for g in jax.tree.leaves(got)] == jax.tree.leaves(z.plan.state_shardings())
     for k in pytree.SHAPES:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)

@@ -56,11 +56,11 @@ class _Program:
 @pytest.mark.parametrize(
     "strategy, phase, mode, flags",
     [
-        ("no_shard", Phase(gather=False, reduce=True), PARAMS, {"reduce"}),  # DDP: psum, params whole
-        ("optim", Phase(gather=False, reduce=False, stacked=True), BUCKET, set()),  # ZeRO-1's middle: accumulate
-        ("optim", Phase(gather=True, reduce=False, extract=True), SHARD, {"extract", "keep"}),  # ZeRO-1's first
-        ("optim", Phase(gather=False, reduce=True, acc=True, stacked=True), BUCKET, {"reduce"}),  # its last
-        ("optim_grads_params", Phase(gather=True, reduce=True), SHARD, {"reduce", "reshard"}),  # ZeRO-3
+        ("no_shard", Phase.ALIKE, PARAMS, {"reduce"}),  # DDP: psum, params whole
+        ("optim", Phase.MIDDLE, BUCKET, set()),  # ZeRO-1's middle: accumulate
+        ("optim", Phase.FIRST, SHARD, {"extract", "keep"}),  # ZeRO-1's first
+        ("optim", Phase.LAST, BUCKET, {"reduce"}),  # its last
+        ("optim_grads_params", Phase.ALIKE, SHARD, {"reduce", "reshard"}),  # ZeRO-3
     ],
     ids=["ddp", "zero1-accumulate", "zero1-first", "zero1-last", "zero3"],
 )

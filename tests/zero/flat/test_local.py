@@ -15,7 +15,7 @@ from jzero.zero.flat.plan import make_flat_plan
 
 def flat_plan(dp=4, bucket_size=100, per_unit=False):
     plan = make_plan(pytree.mesh(dp, 1), ShardingStrategy.OPTIM, pytree.abstract(), pytree.NO_TP)
-    return make_flat_plan(plan, bucket_size, False, per_unit=per_unit)
+    return make_flat_plan(plan, bucket_size, False)
 
 
 def test_flatten_puts_each_param_at_its_range_and_zeros_elsewhere():
@@ -66,7 +66,7 @@ def test_a_scanned_stacks_bucket_is_laid_out_alike_in_every_layer():
     units = {"blocks": {"b": 1, "w": 1}, "head": None}
     specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), abstract)
     plan = make_plan(pytree.mesh(4, 1), ShardingStrategy.OPTIM_GRADS, abstract, specs, units=units)
-    fp = make_flat_plan(plan, None, False, per_unit=True)
+    fp = make_flat_plan(plan, None, False)
     leaves = [jnp.arange(np.prod(x.shape), dtype=jnp.float32).reshape(x.shape) + 1 for x in jax.tree.leaves(abstract)]
     buckets = flatten(fp, leaves, jnp.float32)
     assert [g.layers for g in fp.groups] == [3, None]  # the stack, then the rest (head)

@@ -91,7 +91,7 @@ def test_a_scanned_stacks_buckets_are_stacked_per_layer():
     run = setup(flat_config("optim_grads", (4, 1, 2), model=SCAN, bucket_size=3000), with_data=False)
     fp, z = run.zero.flat, run.zero
     stacked = [(buf, b) for buf, b in fp.buckets if buf.layers]
-    assert len(stacked) > 1 and fp.params_rest_sharded
+    assert len(stacked) > 1 and fp.plan.stage.params_rest_sharded
     dp = ("dp_outer", "dp", "ep")
     for k, (buf, b) in enumerate(fp.buckets):
         want = (*buf.lead, 2, buf.numel(b))

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import init_state, plain_optax, rel_param_errors, setup_free_dataset, tiny_config
+from helpers import clip_by_global_norm, init_state, plain_optax, rel_param_errors, setup_free_dataset, tiny_config
 from jzero.config import ConfigError
 from jzero.inspect import comms
 from jzero.inspect.compile import CompiledStep, abstract_state
@@ -22,7 +22,6 @@ from jzero.inspect.hlo import axes_of_groups, parse_collectives
 from jzero.mesh import MeshConfig
 from jzero.train.loop import setup
 from jzero.train.model import GPTModel
-from jzero.zero.common.update import clip_by_global_norm
 from jzero.zero.config import ParamGatherDType, ZeroConfig
 from jzero.zero.flat.quantize import dequantize, gather_quantized, n_blocks, quantize
 from jzero.zero.memory import formula_split, shard_bytes

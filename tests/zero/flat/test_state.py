@@ -38,7 +38,7 @@ def test_params_rest_whole_or_as_bucket_shards_and_convert_both_ways(strategy):
     array per bucket split over the inner DP axes, `to_model_params` inverts `from_model_params`."""
     z = pytree.build(strategy, "flat", zero={"bucket_size": 100, "overlap_grad_reduce": False})
     fp, params = z.flat, jax.jit(pytree.init_params)()
-    if not fp.params_rest_sharded:
+    if not fp.plan.stage.params_rest_sharded:
         assert to_model_params(fp, params) is params and from_model_params(fp, params) is params
         assert param_shardings(fp) == fp.plan.param_shardings()
         return

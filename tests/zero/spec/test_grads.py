@@ -125,21 +125,21 @@ def test_hooks_follow_the_phase():
         run = setup(tiny_config(strategy, zero=zero))
         return jax.tree.leaves(unit_hooks(run.zero.plan, run.zero.options, True, phase)), run.zero.plan
 
-    ddp, _ = hooks("no_shard", Phase(gather=False, reduce=True))
-    assert all(h.dim is None and h.reduce and not h.gather and not h.regather for h in ddp)
+    ddp, _ = hooks("no_shard", Phase.ALIKE)
+    assert all(h.dim is None and h.reduce and not h.gathers and not h.regather for h in ddp)
     cfg = tiny_config("no_shard", (4, 1, 1))
     run = setup(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp_outer=2)))
-    hsdp = jax.tree.leaves(unit_hooks(run.zero.plan, run.zero.options, True, Phase(gather=False, reduce=True)))
+    hsdp = jax.tree.leaves(unit_hooks(run.zero.plan, run.zero.options, True, Phase.ALIKE))
     tensors = jax.tree.leaves(run.zero.plan.tensors)
     assert all(h.regather == (h.dim is not None) == (t.shard_dim is not None) for h, t in zip(hsdp, tensors))
     assert any(h.regather for h in hsdp) and all(h.outer == ("dp_outer",) and "dp" in h.inner for h in hsdp)
-    zero1, plan = hooks("optim", Phase(gather=True, reduce=False, extract=True))
+    zero1, plan = hooks("optim", Phase.FIRST)
     tensors = jax.tree.leaves(plan.tensors)
     assert all((h.dim is None) == (t.shard_dim is None) for h, t in zip(zero1, tensors))
     assert all(not h.reduce and h.extract for h in zero1)
-    assert all(h.gather == (t.shard_dim is not None) and h.keep == h.gather and not h.reshard
+    assert all(h.gathers == (t.shard_dim is not None) and h.keep == h.gathers and not h.reshard
                for h, t in zip(zero1, tensors))  # fmt: skip
-    zero3, _ = hooks("optim_grads_params", Phase(gather=True, reduce=True))
-    assert all(h.reshard == h.gather and not h.keep for h in zero3)
-    resting, _ = hooks("optim", Phase(gather=True, reduce=True), overlap_grad_reduce=False)
-    assert not any(h.gather for h in resting)  # without overlap_param_gather the params rest whole
+    zero3, _ = hooks("optim_grads_params", Phase.ALIKE)
+    assert all(h.reshard == h.gathers and not h.keep for h in zero3)
+    resting, _ = hooks("optim", Phase.ALIKE, overlap_grad_reduce=False)
+    assert not any(h.gathers for h in resting)  # without overlap_param_gather the params rest whole

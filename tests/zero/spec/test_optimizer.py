@@ -29,7 +29,7 @@ def test_zero1_steps_the_shards_as_optax_steps_the_params():
     for x, want in zip(jax.tree.leaves(state.inner_state[0].mu), jax.tree.leaves(p.state_shardings())):
         assert x.sharding.is_equivalent_to(want, x.ndim)
     g = jax.grad(pytree.loss)(init, pytree.batch())
-    new_params, new_state, metrics = jax.jit(opt.step)(jax.device_put(g, p.grad_shardings()), state, params)
+    new_params, new_state, metrics = jax.jit(opt.step)(jax.device_put(g, p.state_shardings()), state, params)
     want = pytree.optax_steps(inner, init, [pytree.batch()])
     for k in pytree.SHAPES:
         np.testing.assert_allclose(new_params[k], want[k], rtol=1e-6, atol=1e-7)
@@ -45,7 +45,7 @@ def test_bf16_params_are_the_updated_main_params_cast():
     state = jax.jit(opt.init)(params)
     assert [x.dtype for x in jax.tree.leaves(state.main_params)] == [jnp.dtype(jnp.float32)] * 4
     g = jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), params)
-    new_params, new_state, _ = jax.jit(opt.step)(jax.device_put(g, p.grad_shardings()), state, params)
+    new_params, new_state, _ = jax.jit(opt.step)(jax.device_put(g, p.state_shardings()), state, params)
     for k in pytree.SHAPES:
         assert new_params[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(new_params[k], new_state.main_params[k].astype(jnp.bfloat16))

@@ -1,4 +1,4 @@
-"""The flat path's step (`zero.path: flat`): Megatron's bucketed psum_scatter / all_gather in shard_map.
+"""The flat layout (`zero.path: flat`): Megatron's flat buffers, bucketed psum_scatter / all_gather in shard_map.
 
 Per bucket of the flat buffers (`plan.py`), over that bucket's DP domain (dp_outer x dp x ep
 for a dense bucket, dp_outer x dp for an expert bucket; the collectives are `collectives.py`'s):
@@ -14,9 +14,9 @@ for a dense bucket, dp_outer x dp for an expert bucket; the collectives are `col
   DDP (no_shard): the full local bucket accumulates, then one psum.
   ZeRO-3 (optim_grads_params): as ZeRO-2, and the params rest as bucket shards, gathered per unit.
 
-With `zero.overlap_grad_reduce` (and under ZeRO-3) the buffers are per FSDP unit and each bucket is
-reduced inside the backward (`grads.py`); without it, one layout over the whole model and every
-bucket reduced after each micro-batch's backward (`FlatProgram.grads`, below).
+Where the stage reduces per unit (`Stage.per_unit`) the buffers are per FSDP unit and each bucket is
+reduced inside the backward; otherwise one layout covers the whole model and every bucket is reduced
+after the backward (`grads.py`).
 
 Expert grads need no reduction over ep: the loss moves tokens to the experts' ranks and
 back (all_to_all over ep), so a rank's expert grads already hold every ep rank's tokens.
@@ -32,7 +32,7 @@ same on a shard as on the params: `common/probe.check_elementwise` refuses the o
 `build.build_zero` builds the step.
 
 `FlatProgram` holds the per-device programs (each runs inside a shard_map over the whole mesh);
-`build_flat_step` wraps them in shard_map and jit. Shardings: `state.py`.
+`flat_layout` wraps them in shard_map for the engine (`engine.py`). Shardings: `state.py`.
 """
 
 from __future__ import annotations
@@ -48,28 +48,20 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS
+from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS, spec_axes
 from jzero.zero.common import loss_scale as scaler
-from jzero.zero.common.batch import batch_sharding, split_batch
-from jzero.zero.common.compiler import step_compiler_options
+from jzero.zero.common.batch import split_batch
 from jzero.zero.common.groups import GroupValues, group_leaves
-from jzero.zero.common.offload import Offload
-from jzero.zero.common.state import (
-    LossFn,
-    ModelState,
-    Programs,
-    TrainState,
-    ZeroState,
-    loss_parts,
-    model_state_shardings,
-    state_optional,
-)
-from jzero.zero.common.strategies import spec_axes
+from jzero.zero.common.probe import check_elementwise
+from jzero.zero.common.state import TrainState, ZeroState, loss_parts, model_state_shardings
 from jzero.zero.common.update import finish, model_copy, optimizer_step
-from jzero.zero.config import ParamGatherDType, StepOptions, ZeroConfig
+from jzero.zero.config import ParamGatherDType, StepOptions
+from jzero.zero.engine import Layout, LayoutInputs
 from jzero.zero.flat import collectives, grads, state
+from jzero.zero.flat.convert import flat_to_model_space, model_space_to_flat
 from jzero.zero.flat.local import flatten, from_local, owned, to_local, unflatten
-from jzero.zero.flat.plan import FlatPlan
+from jzero.zero.flat.offload import flat_offload
+from jzero.zero.flat.plan import FlatPlan, make_flat_plan
 from jzero.zero.flat.quantize import gather_quantized
 
 PyTree = Any
@@ -116,7 +108,6 @@ class FlatProgram:
       keep_main: whether the state holds fp32 main params (`state.keeps_main_params`).
       axis_kwargs: the mesh axes the loss is told of: `tp_axis` if tp splits a param, `ep_axis`
         if ep does.
-      scheduled: reduce each bucket inside the backward, per unit (`grads.py`); else after it.
       reshard_after_forward: ZeRO-3 gathers a unit's buckets again for its backward.
     """
 
@@ -128,7 +119,6 @@ class FlatProgram:
     gather_dtype: ParamGatherDType | None
     keep_main: bool
     axis_kwargs: dict
-    scheduled: bool = False
     reshard_after_forward: bool = True
 
     @property
@@ -141,23 +131,9 @@ class FlatProgram:
 
     def local_params(self, params: PyTree) -> PyTree:
         """The state's params as one device uses them: the params tree, or the resting bucket shards [S_b/d_inner]."""
-        return [to_local(buf, x) for (buf, _), x in zip(self.fp.buckets, params)] if self.fp.params_rest_sharded \
-            else params  # fmt: skip
-
-    def local_grads(self, params: PyTree, mb: PyTree, loss_scale: jax.Array | None, model_state: PyTree = None):
-        """((loss, metrics, stats), this rank's grads of one microbatch as [S_b] buckets, scaled by 1 / (d x M))."""
-        # Params are invariant over their DP domain; differentiating them directly would make AD
-        # insert the DP all-reduce itself (the transpose of the implicit cast to varying). Casting
-        # them to DP-varying first gives this rank's local grads, which the buckets then reduce.
-        # (An expert param already varies over ep, its only batch axis outside its DP domain.)
-        leaves = [jax.lax.pcast(p, t.dp_axes, to="varying") for p, t in zip(jax.tree.leaves(params), self.tensors)]
-        params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-        loss = scaler.scaled_loss(self.loss_fn, loss_scale)
-        (_, parts), g = jax.value_and_grad(loss, has_aux=True)(params, mb, model_state, **self.axis_kwargs)
-        o = self.options
-        scale = 1.0 / (self.fp.d * o.microbatches)  # the dense DP size, for expert grads too (Megatron's)
-        g = [(x.astype(jnp.float32) * scale).astype(o.grad_reduce_dtype) for x in jax.tree.leaves(g)]
-        return parts, flatten(self.fp, g, o.grad_reduce_dtype)
+        if not self.fp.plan.stage.params_rest_sharded:
+            return params
+        return [to_local(buf, x) for (buf, _), x in zip(self.fp.buckets, params)]
 
     def rank_microbatches(self, batch: PyTree) -> PyTree:
         """This rank's rows -> its microbatches [M, b, ...]."""
@@ -168,44 +144,21 @@ class FlatProgram:
         grad buckets): the owned shards [1, S_b/d], full [1, S_b] under DDP (of the loss times
         `loss_scale`, if given).
 
-        Scheduled: `grads.scheduled_grads`. Else ZeRO-2 reduce-scatters every microbatch after its
-        backward, so only the owned shard accumulates; DDP and ZeRO-1 accumulate the full local
-        buckets and reduce once, after the last (Megatron's without overlap).
+        Each bucket is reduced by its hook as soon as its grads are complete (`grads.scheduled_grads`).
         """
-        if self.scheduled:
-            return grads.scheduled_grads(self, self.local_params(params), batch, loss_scale, model_state)
-        fp, every = self.fp, self.fp.plan.shards_grads
-        mbs = self.rank_microbatches(batch)
-        # The first microbatch seeds the accumulator (so it has the carry's sharding type).
-        first, rest = jax.tree.map(lambda x: x[0], mbs), jax.tree.map(lambda x: x[1:], mbs)
-        (loss, metrics, stats), acc = self.local_grads(params, first, loss_scale, model_state)
-        means = (loss, metrics)
-        acc = collectives.reduce(fp, acc) if every else acc
-
-        def body(acc, mb):
-            (loss, metrics, stats), g = self.local_grads(params, mb, loss_scale, model_state)
-            return [a + x for a, x in zip(acc, collectives.reduce(fp, g) if every else g)], ((loss, metrics), stats)
-
-        if self.options.microbatches > 1:
-            acc, (rest_means, rest_stats) = jax.lax.scan(body, acc, rest)
-            means = jax.tree.map(lambda m, r: (m + r.sum()) / self.options.microbatches, means, rest_means)
-            stats = jax.tree.map(lambda s, r: s + r.sum(axis=0), stats, rest_stats)
-        reduced = acc if every else collectives.reduce(fp, acc)
-        loss, metrics = jax.lax.pmean(means, BATCH_AXES)
-        buckets = [from_local(buf, r) for (buf, _), r in zip(fp.buckets, reduced)]
-        return (loss, metrics, jax.lax.psum(stats, BATCH_AXES)), buckets
+        return grads.scheduled_grads(self, self.local_params(params), batch, loss_scale, model_state)
 
     def main_shards(self, params: PyTree, opt_state: ZeroState, ranks) -> list[jax.Array]:
         """The fp32 main params this rank steps: the kept ones, or its shards of the fp32 params."""
         if self.keep_main:
             return [to_local(buf, m) for (buf, _), m in zip(self.fp.buckets, opt_state.main_params)]
-        if self.fp.params_rest_sharded:
+        if self.fp.plan.stage.params_rest_sharded:
             return self.resting_main(params)
         full = flatten(self.fp, jax.tree.leaves(params), jnp.float32)
         return [owned(buf, x, r) for (buf, _), x, r in zip(self.fp.buckets, full, ranks)]
 
     def resting_main(self, params: PyTree) -> list[jax.Array]:
-        """This rank's owned fp32 shards of params resting as bucket shards (`FlatPlan.params_rest_sharded`)."""
+        """This rank's owned fp32 shards of params resting as bucket shards (`Stage.params_rest_sharded`)."""
         local = self.local_params(params)
         return [_outer_part(buf, x.astype(jnp.float32)) for (buf, _), x in zip(self.fp.buckets, local)]
 
@@ -221,7 +174,7 @@ class FlatProgram:
         """The model params from the updated main shards: where they rest sharded, each bucket's shard in the
         param dtype (gathered across dp_outer under HSDP `optim`); else all-gathered whole (`gather_params`)."""
         fp, dtype = self.fp, self.param_dtype
-        if not fp.params_rest_sharded:
+        if not fp.plan.stage.params_rest_sharded:
             return jax.tree.unflatten(jax.tree.structure(params), self.gather_params(main))
         gather = collectives.gather_outer
         return [from_local(buf, gather(buf, m.astype(dtype))) for (buf, _), m in zip(fp.buckets, main)]
@@ -261,7 +214,7 @@ class FlatProgram:
     def init(self, params: PyTree) -> ZeroState:
         """The optimizer state from the state's params: this rank's fp32 shards and the inner state on them."""
         fp = self.fp
-        if fp.params_rest_sharded:
+        if fp.plan.stage.params_rest_sharded:
             main = self.resting_main(params)
         else:
             full = flatten(fp, jax.tree.leaves(params), jnp.float32)
@@ -274,7 +227,7 @@ class FlatProgram:
     def evaluate(self, params: PyTree, batch: PyTree, model_state: PyTree = None) -> dict:
         """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP
         (where the params rest sharded, each unit's gathered as the step's forward does)."""
-        if self.fp.params_rest_sharded:
+        if self.fp.plan.stage.params_rest_sharded:
             view = grads.evaluate_view(self, self.local_params(params))
         else:
             view = params
@@ -283,56 +236,42 @@ class FlatProgram:
         return jax.lax.pmean({"loss": jnp.mean(loss), **jax.tree.map(jnp.mean, metrics)}, BATCH_AXES)
 
 
-def _program(loss_fn, inner, fp, options, zero: ZeroConfig, groups, keep_main: bool, model_state) -> FlatProgram:
+def _program(inputs: LayoutInputs, fp: FlatPlan, keep_main: bool) -> FlatProgram:
+    options, zero, groups = inputs.options, inputs.config, inputs.groups
     tensors = jax.tree.leaves(fp.plan.tensors)
     axis_kwargs = {"tp_axis": TP_AXIS} if any(TP_AXIS in spec_axes(t.tp_spec) for t in tensors) else {}
     if fp.plan.splits_ep:
         axis_kwargs["ep_axis"] = EP_AXIS
     return FlatProgram(
-        loss_parts(loss_fn, options.has_aux, model_state), inner, fp, options,
+        loss_parts(inputs.loss_fn, options.has_aux, inputs.model_state), inputs.inner, fp, options,
         None if groups is None else tuple(group_leaves(groups)), zero.param_gather_dtype, keep_main, axis_kwargs,
-        scheduled=zero.overlap_grad_reduce or fp.params_rest_sharded, reshard_after_forward=zero.reshard_after_forward,
+        reshard_after_forward=zero.reshard_after_forward,
     )  # fmt: skip
 
 
-def build_flat_step(
-    loss_fn: LossFn,
-    inner: optax.GradientTransformation,
-    fp: FlatPlan,
-    options: StepOptions,
-    zero: ZeroConfig,
-    *,
-    groups: PyTree | None = None,
-    offload: Offload | None = None,
-    model_state: ModelState | None = None,
-) -> Programs:
-    """The flat path's shardings, optimizer init, jitted step, grads and evaluate.
+def flat_layout(inputs: LayoutInputs) -> Layout:
+    """The flat layout of a run (module docstring): Megatron's buffers of `inputs.plan`, its shardings, and
+    `FlatProgram`'s per-device programs in shard_map over the whole mesh.
 
-    Args:
-      loss_fn: (params, local batch) -> mean loss, on tp- and ep-local params; if a tp spec
-        splits any param it is called with `tp_axis=` the mesh's tp axis and must sum its
-        row-parallel outputs over it (Megatron's `g` operator); if some param is split over
-        ep (expert weights) also with `ep_axis=` the mesh's ep axis, over which it sends
-        tokens to their experts' ranks and back.
-      inner: an element-wise optax transformation (`build.build_zero` checks it with `probe.check_elementwise`).
-      options: microbatches, grad reduce dtype, clipping, loss scaling, has_aux.
-      zero: `overlap_grad_reduce` (per-unit reduction inside the backward), `reshard_after_forward`,
-        `param_gather_dtype` (all-gather the updated shards blockwise-quantized, `quantize.gather_quantized`).
-      groups: per param a `groups.ParamGroup`, or None.
-      offload: the buckets whose state lives in host memory between steps (`flat/offload.py`),
-        or None; the step copies them to device memory around the update.
-      model_state: the model's non-trainable state (`state.ModelState`), or None: the loss then takes
-        `model_state=` and returns (loss, metrics, stats); the stats are summed over the ranks (psum)
-        and micro-batches and update the state before the optimizer steps.
+    The loss (`LayoutInputs.loss_fn`) runs on tp- and ep-local params: if a tp spec splits any param it
+    is called with `tp_axis=` the mesh's tp axis and must sum its row-parallel outputs over it
+    (Megatron's `g` operator); if some param is split over ep (expert weights) also with `ep_axis=` the
+    mesh's ep axis, over which it sends tokens to their experts' ranks and back. The inner transformation
+    must be element-wise (`probe.check_elementwise` refuses the others, naming them). The model state's
+    stats are summed over the ranks (psum) and micro-batches.
     """
-    mesh = fp.plan.mesh
+    plan, inner, options, zero = inputs.plan, inputs.inner, inputs.options, inputs.config
+    fp = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, inputs.unit_key)
+    check_elementwise(inner, plan, inputs.groups)  # before any layout of its state: the error names it
+    mesh = plan.mesh
     opt_sh = state.opt_state_shardings(inner, fp, options.loss_scale, quantized=zero.param_gather_dtype is not None)
+    offload = flat_offload(fp, inner, opt_sh, zero.offload_fraction)
     replicated = NamedSharding(mesh, P())
     shardings = TrainState(
-        state.param_shardings(fp), opt_sh if offload is None else offload.shardings(opt_sh), replicated,
-        model_state_shardings(model_state, replicated),
+        state.param_shardings(fp), offload.shardings(opt_sh), replicated,
+        model_state_shardings(inputs.model_state, replicated),
     )  # fmt: skip
-    program = _program(loss_fn, inner, fp, options, zero, groups, opt_sh.main_params is not None, model_state)
+    program = _program(inputs, fp, opt_sh.main_params is not None)
     param_specs, opt_specs, reduce_specs = _specs(shardings.params), _specs(opt_sh), fp.bucket_specs()
     grads_fn = jax.shard_map(
         program.grads, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P(), P()),
@@ -351,33 +290,24 @@ def build_flat_step(
         program.evaluate, mesh=mesh, in_specs=(param_specs, P(BATCH_AXES), P()), out_specs=P()
     )
 
-    def step(state: TrainState, batch):
-        grad_scaler = state.opt_state.grad_scaler
-        loss_scale = None if grad_scaler is None else grad_scaler.loss_scale
-        (loss, metrics, stats), grads = grads_fn(state.params, batch, loss_scale, state.model_state)
-        new_model_state, state_metrics = state.model_state, {}
-        if model_state is not None:  # after the grads' reduction, before the optimizer (Megatron's order)
-            new_model_state, state_metrics = model_state.update(state.model_state, stats)
-        opt_state = state.opt_state
-        if offload is not None:
-            opt_state, grads = offload.to_device(opt_state, after=grads)
-        params, opt_state, opt_metrics = update_fn(state.params, opt_state, grads)
-        opt_state = opt_state if offload is None else offload.to_host(opt_state)
-        metrics = {"loss": loss, **opt_metrics, **metrics, **state_metrics}
-        return TrainState(params, opt_state, state.step + 1, new_model_state), metrics
+    def grad_buffer(dtype) -> list:
+        specs = fp.bucket_specs(sharded=plan.stage.shards_grads)
+        return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+                for shape, spec in zip(fp.bucket_shapes(), specs)]  # fmt: skip
 
-    batch_sh = batch_sharding(mesh)
-    step_jit = jax.jit(
-        step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0,
-        compiler_options=step_compiler_options(mesh, zero, options.microbatches) or None,
-    )  # fmt: skip
-    state_sh = shardings.model_state
-    grads_jit = jax.jit(
-        lambda params, batch, state: grads_fn(params, batch, None, state)[1],
-        in_shardings=(shardings.params, batch_sh, state_sh),
-        out_shardings=[NamedSharding(mesh, spec) for spec in reduce_specs],
+    rest_sharded = plan.stage.params_rest_sharded
+    return Layout(
+        shardings=shardings,
+        grad_shardings=[NamedSharding(mesh, spec) for spec in reduce_specs],
+        init_opt=init_opt,
+        grads=grads_fn,
+        update=update_fn,
+        evaluate=eval_fn,
+        offload=offload,
+        grad_buffer=grad_buffer,
+        to_state=functools.partial(state.from_model_params, fp) if rest_sharded else None,
+        to_model=functools.partial(state.to_model_params, fp) if rest_sharded else None,
+        to_model_space=functools.partial(flat_to_model_space, fp, inner),
+        from_model_space=functools.partial(model_space_to_flat, fp, inner),
+        flat=fp,
     )
-    eval_jit = jax.jit(eval_fn, in_shardings=(shardings.params, batch_sh, state_sh), out_shardings=replicated)
-    grads_jit, eval_jit = (state_optional(f, model_state, state_sh) for f in (grads_jit, eval_jit))
-    to_state = functools.partial(state.from_model_params, fp) if fp.params_rest_sharded else None
-    return Programs(shardings, init_opt, step_jit, grads_jit, eval_jit, to_state)

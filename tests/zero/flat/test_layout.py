@@ -1,4 +1,4 @@
-"""jzero.zero.flat.step: the flat path's reduced buckets hold the whole batch's grads for every strategy and
+"""jzero.zero.flat.layout: the flat layout's reduced buckets hold the whole batch's grads for every strategy and
 number of microbatches, with each bucket reduced inside the backward (`overlap_grad_reduce`) or after it,
 and its step trains as single-device optax (tp-split params too); its programs hold the params whole, or as
 bucket shards where they rest sharded. The state's layout: tests/zero/flat/test_state.py."""
@@ -10,9 +10,8 @@ import optax
 import pytest
 
 from helpers import pytree
-from jzero.zero.config import StepOptions, ZeroConfig
+from jzero.zero.flat import layout
 from jzero.zero.flat.convert import buckets_to_params
-from jzero.zero.flat.step import build_flat_step
 
 
 @pytest.mark.parametrize(
@@ -58,12 +57,13 @@ def test_the_flat_step_trains_as_single_device_optax(dp, tp, strategy):
 )
 def test_the_programs_hold_the_params_whole_or_as_bucket_shards(strategy, overlap, rest_sharded):
     """Where the params rest sharded (ZeRO-3; ZeRO-1/2 with overlap_param_gather, which follows
-    overlap_grad_reduce) `build_flat_step`'s state holds one param-dtype array per bucket, split over
+    overlap_grad_reduce) `flat_layout`'s state holds one param-dtype array per bucket, split over
     the inner DP axes, and `to_state` lays the params tree into them; elsewhere the params tree."""
     z = pytree.build(strategy, "flat", zero={"bucket_size": 100, "overlap_grad_reduce": overlap})
     fp = z.flat
-    assert fp.params_rest_sharded == rest_sharded
-    programs = build_flat_step(pytree.loss, optax.adam(1e-2), fp, StepOptions(), ZeroConfig(strategy, "flat"))
+    assert fp.plan.stage.params_rest_sharded == rest_sharded
+    programs = z.layout
+    assert isinstance(programs, layout.Layout) and programs.flat is fp
     if not rest_sharded:
         assert programs.to_state is None
         assert jax.tree.structure(programs.shardings.params) == jax.tree.structure(pytree.abstract())
