@@ -181,10 +181,11 @@ def _cmd_export(args) -> int:
     cfg, run, names, order = _setup(args, args.bucket_size)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
+    from jzero.train.resume import restore_latest
 
     reader = Checkpointer(args.dir, run, writer=False)
     try:
-        state, step = (reader.restore(args.step), args.step) if args.step is not None else reader.restore_latest()
+        state, step = (reader.restore(args.step), args.step) if args.step is not None else restore_latest(reader)
     finally:
         reader.close()
     folder = Path(args.out) / f"iter_{step:07d}"

@@ -46,7 +46,8 @@ import numpy as np
 
 from jzero.config import ModelConfig, NormKind, PosKind
 from jzero.interop import InteropError
-from jzero.interop.megatron import EXTRA_STATE, Renamed
+from jzero.interop.megatron_format import EXTRA_STATE
+from jzero.interop.megatron_names import Renamed
 
 PyTree = Any
 

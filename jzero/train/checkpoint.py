@@ -21,7 +21,8 @@ The pieces, one responsibility each:
     jzero/train/ckpt_step.py    one saved step: its items, read and checked (fit, damage)
     jzero/train/ckpt_dir.py     the directory a run owns: owner marker, writer lock, step names
     jzero/train/integrity.py    the arrays' fingerprints, and which restored arrays differ from them
-    jzero/train/resume.py       the resume policy: which directory `--resume` reads, the fallback past damaged steps
+    jzero/train/resume.py       the resume policy on a Checkpointer: which directory `--resume` reads, the newest
+                                undamaged step (the fallback past damaged ones)
     jzero/train/ckpt_info.py    what `jzero ckpt info [--verify]` prints
     jzero/train/unraisable.py   the process-wide hook that drops orbax's abandoned-I/O noise
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -55,12 +55,8 @@ from jzero.train.ckpt_step import (
 )
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints, mismatched
-from jzero.train.resume import resolve_resume_dir, restore_latest
 from jzero.train.unraisable import quiet_abandoned_io
 from jzero.zero.common.state import TrainState, ZeroState
-
-# resolve_resume_dir is resume.py's; it is named here too because jzero.train.loop imports it from this module.
-__all__ = ["Checkpointer", "config_sha256", "resolve_resume_dir"]
 
 
 def config_sha256(cfg: Config) -> str:
@@ -273,11 +269,6 @@ class Checkpointer:
         elif abstract.model_state is not None:
             model_state = jax.jit(self.run.zero.model_state.init, out_shardings=self.run.zero.shardings.model_state)()
         return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32), model_state)
-
-    def restore_latest(self, fallback: bool = False, say: Callable[[str], None] = print) -> tuple[TrainState, int]:
-        """The newest complete checkpoint, as (state, step); past damaged steps with `fallback`
-        (the policy: `jzero.train.resume.restore_latest`)."""
-        return restore_latest(self, fallback, say)
 
     def close(self, check: bool = True) -> None:
         """Waits for the save in flight (RunError if it failed and `check`), releases the directory."""

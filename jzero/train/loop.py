@@ -103,7 +103,8 @@ def train(
 
 def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preemption) -> dict | None:
     from jzero.train import report
-    from jzero.train.checkpoint import Checkpointer, resolve_resume_dir
+    from jzero.train.checkpoint import Checkpointer
+    from jzero.train.resume import resolve_resume_dir, restore_latest
 
     check_floor(cfg, jax.devices())  # from the config alone: building a model of 20,000 blocks takes minutes
     run = build_run(cfg)
@@ -128,7 +129,7 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
         else:
             preemption.phase = "restore"
             reader = ckpt if continuing else Checkpointer(resume_dir, run, writer=False)
-            state, start = reader.restore_latest(resume_fallback, say=_tell)
+            state, start = restore_latest(reader, resume_fallback, say=_tell)
             saved_data = reader.meta(start)["data"]  # every process: orbax reads in step with the others
             if main_process:
                 print(f"resuming from checkpoint step {start} in {resume_dir}")

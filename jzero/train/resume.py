@@ -1,5 +1,8 @@
 """The resume policy: which checkpoint directory `--resume [DIR]` reads, and what a damaged newest step does.
 
+It builds on `jzero.train.checkpoint` (a `Checkpointer` saves and restores any one step), which
+knows nothing of it:
+
 - `resolve_resume_dir`: `--resume` without a step to read in `checkpoint.dir` starts from step 0
   there (a requeued job script can always pass --resume); any other directory must be jzero's.
 - `restore_latest`: the newest complete step; a damaged one is an error naming it, or with

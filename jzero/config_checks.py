@@ -1,0 +1,205 @@
+"""The run configuration's checks: each value's range and the constraints across keys (can the mesh
+split this model and batch?), one `ConfigError` naming the key.
+
+`validate` runs once a `Config` is built (`jzero.config.load_config`, `from_dict`, `resolve_mesh`).
+The library's types check their own fields when built (`ZeroConfig`, `MeshConfig`,
+`ParamGroupRule`, and `DynamicLossScale`, which `loss_scale` builds from the `precision.*` keys);
+`keyed` spells the field their error names as the CLI's key. Their checks are not repeated here,
+but for one message for every key that is not a finite number, given first. This module imports
+no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jzero.config_schema import (
+    GPT_IMPL,
+    Config,
+    DataKind,
+    DType,
+    ModelConfig,
+    MomentsDType,
+    OptimizerConfig,
+    OptimizerName,
+    PosKind,
+    PrecisionConfig,
+    ScoreFunction,
+    yaml_key,
+)
+from jzero.errors import ConfigError
+from jzero.mesh import AUTO_DP, MeshConfig
+from jzero.zero.config import DynamicLossScale, ZeroConfig
+
+# The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
+# falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
+BF16_MAX_DECAY = 0.96
+
+
+def keyed(section: str, error: ConfigError) -> ConfigError:
+    """A library type's `error`, whose message names its field first (`hysteresis=0 must be positive`),
+    with that field spelled as the CLI's key in `section` (`precision.`), unless it already is."""
+    message = str(error)
+    return ConfigError(message if not section or message.startswith(section) else section + message)
+
+
+def _positive(key: str, value: int | float) -> None:
+    if not value > 0:  # NaN too
+        raise ConfigError(f"{key}={value} must be positive")
+
+
+def _check_finite(prefix: str, section: Any) -> None:
+    """Every float of the dataclass `section` (and of its dataclass fields) is finite."""
+    for f in dataclasses.fields(section):
+        key, value = f"{prefix}.{yaml_key(f)}", getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        if dataclasses.is_dataclass(value):
+            _check_finite(key, value)
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    _positive("optimizer.lr", o.lr)
+    for key in ("b1", "b2"):  # b1 is also SGD's momentum; at 1 Adam's bias correction 1 - b**t is 0
+        value = getattr(o, key)
+        if not 0 <= value < 1:
+            raise ConfigError(f"optimizer.{key}={value} must be in [0, 1)")
+    # optax checks nothing, but eps=0 makes Adam's update 0/0 = NaN wherever a gradient is exactly 0.
+    _positive("optimizer.eps", o.eps)
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    if o.clip_grad is not None:  # `StepOptions` checks it again in build_zero, in its words for Python callers
+        _positive("optimizer.clip_grad", o.clip_grad)
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    _check_param_groups(o)
+    if o.moments_dtype == MomentsDType.BFLOAT16:
+        key, beta = max((("b1", o.b1), ("b2", o.b2 if o.name != OptimizerName.SGD else 0.0)), key=lambda kv: kv[1])
+        if beta > BF16_MAX_DECAY:
+            raise ConfigError(
+                f"optimizer.moments_dtype=bfloat16 with optimizer.{key}={beta}: a moment stored in bf16 stops "
+                f"decaying up to 2**-8 / (1 - {key}) above its value; use {key} <= {BF16_MAX_DECAY} "
+                "or moments_dtype=float32"
+            )
+
+
+def _check_precision(p: PrecisionConfig) -> None:
+    if p.grad_reduce_dtype == DType.FLOAT16 and p.param_dtype != DType.FLOAT16:
+        raise ConfigError(
+            f"precision.grad_reduce_dtype=float16 needs precision.param_dtype=float16 (loss scaling), "
+            f"got {p.param_dtype.value}"
+        )
+    loss_scale(p)  # the loss-scaling keys check themselves (`DynamicLossScale`)
+
+
+def loss_scale(p: PrecisionConfig) -> DynamicLossScale:
+    """`precision`'s dynamic loss scaling (the four `*loss_scale*` / `hysteresis` keys); errors name the keys."""
+    try:
+        return DynamicLossScale(p.initial_loss_scale, p.min_loss_scale, p.loss_scale_window, p.hysteresis)
+    except ConfigError as e:
+        raise keyed("precision.", e) from None
+
+
+def _check_param_groups(o: OptimizerConfig) -> None:
+    for i, rule in enumerate(o.param_groups):  # each rule checked its own values (`ParamGroupRule`)
+        if rule.wd_mult is not None and o.name != OptimizerName.ADAMW:
+            key = f"optimizer.param_groups[{i}]"
+            raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw has)")
+
+
+def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
+    moe = m.moe
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0 = a dense model)")
+    if moe.num_experts == 0:
+        return
+    _positive("model.moe.every", moe.every)
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={moe.num_experts}]")
+    if moe.num_experts % mesh.ep:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be divisible by mesh.ep={mesh.ep}")
+    if moe.every > m.n_layers:
+        raise ConfigError(f"model.moe.every={moe.every} > model.n_layers={m.n_layers}: no block would be MoE")
+    if m.scan_layers and moe.every != 1:
+        raise ConfigError(
+            f"model.scan_layers=true stacks identical blocks: it needs model.moe.every=1, got {moe.every}"
+        )
+    if moe.capacity_factor is not None:
+        _positive("model.moe.capacity_factor", moe.capacity_factor)
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        if not getattr(moe, key) >= 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
+    if moe.expert_bias and moe.score_function != ScoreFunction.SIGMOID:
+        raise ConfigError(  # Megatron's rule: the bias shifts scores on a fixed scale, not probabilities
+            f"model.moe.expert_bias=true needs model.moe.score_function=sigmoid, got {moe.score_function.value}"
+        )
+
+
+def _check_gpt(m: ModelConfig, mesh: MeshConfig) -> None:
+    """jzero's GPT: can the mesh split its heads, MLP and experts (the keys only it reads)?"""
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % mesh.tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.d_ff % mesh.tp:
+        raise ConfigError(f"model.d_ff={m.d_ff} must be divisible by mesh.tp={mesh.tp}")
+    if m.n_kv_heads is not None:
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_heads={m.n_heads} must be divisible by model.n_kv_heads={m.n_kv_heads}")
+        if m.n_kv_heads % mesh.tp:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must be divisible by mesh.tp={mesh.tp}")
+    if m.pos == PosKind.ROPE and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(
+            f"model.pos=rope needs an even head dim, got model.d_model/model.n_heads={m.d_model // m.n_heads}"
+        )
+    _check_moe(m, mesh)
+
+
+def _check_data(cfg: Config) -> None:
+    d, t = cfg.data, cfg.train
+    if d.kind == DataKind.TEXT and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be >= 256 for data.kind=text (byte tokens)")
+    if d.kind in (DataKind.INDEXED, DataKind.TOKENS) and d.path is None:
+        what = "the PREFIX of PREFIX.bin/.idx" if d.kind == DataKind.INDEXED else "a file of token ids"
+        raise ConfigError(f"data.kind={d.kind.value} needs data.path: {what}")
+    if d.kind == DataKind.SYNTHETIC and d.val_path is not None:
+        raise ConfigError("data.val_path: data.kind=synthetic has no validation data (every batch is new)")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 = no validation)")
+    _positive("train.eval_batches", t.eval_batches)
+
+
+def validate(cfg: Config) -> None:
+    """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
+    m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _positive(f"model.{f.name}", value)
+    for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
+        _positive(f"train.{key}", getattr(t, key))
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if not isinstance(section, (ZeroConfig, MeshConfig)):  # the library's sections checked themselves
+            _check_finite(f.name, section)
+    _check_optimizer(o)
+    _check_precision(cfg.precision)
+    _positive("checkpoint.every", cfg.checkpoint.every)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    for key in ("timeout_s", "heartbeat_timeout_s"):
+        _positive(f"distributed.{key}", getattr(cfg.distributed, key))
+    if cfg.distributed.step_timeout_s < 0:
+        raise ConfigError(f"distributed.step_timeout_s={cfg.distributed.step_timeout_s} must be >= 0 (0 = off)")
+    if m.impl == GPT_IMPL:
+        _check_gpt(m, mesh)
+    # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.
+    if mesh.dp != AUTO_DP and t.global_batch % (cfg.dp_domain_size * t.microbatches):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by the data-parallel size "
+            f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
+        )
+    _check_data(cfg)
