@@ -60,7 +60,7 @@ def test_jzero_train_trains_the_toy_model(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_loss_reading_unit_params_outside_unit_is_one_line(path, tmp_path, capsys):
     """`jzero train` on a model whose loss adds a penalty over all params, its MLP a unit: exit 2, one line
-    naming the param (`units.check_loss`), before any step."""
+    naming the param (`unit_check.check_loss`), before any step."""
     over = ["model.impl=helpers.penalized_model:PenalizedToyModel", *TOY[1:], "train.steps=1", f"zero.path={path}"]
     assert main(["train", "--out", str(tmp_path), "--quiet", *sets(over)]) == 2
     err = capsys.readouterr().err.strip()

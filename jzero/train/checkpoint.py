@@ -29,6 +29,7 @@ The pieces, one responsibility each:
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from pathlib import Path
@@ -61,6 +62,14 @@ from jzero.zero.common.state import TrainState, ZeroState
 
 def config_sha256(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+class MainBridge(enum.Enum):
+    """How a checkpoint's fp32 main params cross to a run that keeps them where the saving run did not, or
+    the other way (fp32 params with and without `zero.param_gather_dtype`)."""
+
+    MAIN_FROM_PARAMS = "main_from_params"  # the step has none: they are its fp32 params
+    PARAMS_FROM_MAIN = "params_from_main"  # the step has them and this run keeps none: its params are them
 
 
 class Checkpointer:
@@ -145,22 +154,21 @@ class Checkpointer:
         """The params tree (model space) of the state `abstract` (ShapeDtypeStructs)."""
         return jax.eval_shape(self.run.zero.full_params, abstract.params)
 
-    def _bridged_target(self, meta: dict) -> tuple[dict, str | None]:
+    def _bridged_target(self, meta: dict) -> tuple[dict, MainBridge | None]:
         """The model-space target to read `meta`'s step into, and how the fp32 main params cross between
-        a run that keeps them and one that does not (fp32 params with and without `zero.param_gather_dtype`):
-        "main_from_params" (the step has none: they are its fp32 params), "params_from_main" (the step
-        has them and this run keeps none: its params are read from them), or None."""
+        a run that keeps them and one that does not (fp32 params with and without `zero.param_gather_dtype`,
+        `MainBridge`), or None."""
         target = self._abstract_model_state()
         saved_main = any(n.startswith("main_params/") for n in meta["arrays"])
         if "main_params" in target and not saved_main:
             fp32 = all(x.dtype == jnp.float32 for x in jax.tree.leaves(target["params"]))
             if fp32:
-                return {k: v for k, v in target.items() if k != "main_params"}, "main_from_params"
+                return {k: v for k, v in target.items() if k != "main_params"}, MainBridge.MAIN_FROM_PARAMS
         if "main_params" not in target and saved_main:
             params = target["params"]
             as_main = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params)
             if all(x.dtype == jnp.float32 for x in jax.tree.leaves(params)):
-                return {**target, "main_params": as_main}, "params_from_main"
+                return {**target, "main_params": as_main}, MainBridge.PARAMS_FROM_MAIN
         return target, None
 
     # ------------------------------------------------------------ save
@@ -253,9 +261,9 @@ class Checkpointer:
             )
         abstract = jax.eval_shape(self.run.init_state)
         model_params = self._abstract_params(abstract)
-        if bridge == "main_from_params":  # fp32 params are the main params exactly
+        if bridge == MainBridge.MAIN_FROM_PARAMS:  # fp32 params are the main params exactly
             nested["main_params"] = jax.tree.map(lambda p: p.astype(jnp.float32), nested["params"])
-        elif bridge == "params_from_main":  # the exact fp32 master, not the quantized gather's model copy
+        elif bridge == MainBridge.PARAMS_FROM_MAIN:  # the exact fp32 master, not the quantized gather's model copy
             nested["params"] = nested.pop("main_params")
         main = from_nested(nested["main_params"], model_params) if "main_params" in nested else None
         like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state

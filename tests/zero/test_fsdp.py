@@ -214,7 +214,7 @@ def test_a_unit_run_twice_trains_like_plain_optax(path, loss, strategy):
     hands the params its first one gathered on (`overlap_param_gather`): once per unit, not once per
     call. Before, the block run twice took the accumulated grads twice and the params as 2 W. A unit in
     both branches of a `cond` adds them in each (one runs). A loop body that closes over the block's
-    params runs it once per iteration: `units.check_loss` finds that, and the step adds both once, after
+    params runs it once per iteration: `unit_check.check_loss` finds that, and the step adds both once, after
     the backward (`units.micro_batch_loss`). Before, the loops' first step read a loss of 82.4 against
     64.2 (ZeRO-1), and DDP's update was off too."""
     mesh = make_mesh(MeshConfig(dp=8))
@@ -314,7 +314,7 @@ def test_a_unit_whose_first_call_is_not_once_trains_like_plain_optax(path, loss,
     and hands the gathered params on. Where that call would not run exactly once per step (a loop body
     that runs it once per iteration on params in the carry, or on a scanned layer's slice it closes over;
     a `cond` with the unit in one branch, where a micro-batch that skips it would hand on zeros; a call in
-    a transform given the params besides the loss's own) `units.check_loss` finds it and the step adds
+    a transform given the params besides the loss's own) `unit_check.check_loss` finds it and the step adds
     them once, after the backward. Before, the carry and the second call trained silently wrong (the
     first step's loss read 82.4 against 64.2). A `jax.checkpoint` in a scanned layer runs once per layer:
     its call keeps them (the last case)."""
@@ -328,7 +328,7 @@ def test_a_unit_whose_first_call_is_not_once_trains_like_plain_optax(path, loss,
 @pytest.mark.parametrize("loss, warned", [(loop_loss, True), (carry_loss, True), (shared_loss, False)],
                          ids=["loop-closure", "carry", "twice"])  # fmt: skip
 def test_a_unit_whose_first_call_is_not_once_is_named_in_a_warning(loss, warned):
-    """Where the step adds a unit's carry and gathered params after the backward (`units.check_loss`), it
+    """Where the step adds a unit's carry and gathered params after the backward (`unit_check.check_loss`), it
     says so once it traces, naming the params: that unit pays one more reduction and gather per step,
     which `jzero hlo`'s theory does not count. A block run twice by the loss keeps them in its first
     call: no warning."""

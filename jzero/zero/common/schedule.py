@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jzero.zero.common.unit_check import check_loss
+from jzero.zero.common.units import micro_batch_loss
 from jzero.zero.config import Stage
 
 PyTree = Any
@@ -58,6 +60,21 @@ class Phase(enum.Enum):
     def stacked(self, stage: Stage) -> bool:
         """The params enter as what the first micro-batch extracted (each rank's gathered copy)."""
         return self in (Phase.MIDDLE, Phase.LAST) and _hands_on(stage)
+
+
+def backward(loss_at: Callable[[PyTree], tuple], view: Callable, sinks: PyTree, gsinks: PyTree) -> tuple:
+    """One micro-batch's backward, the same in every layout: `loss_at(view(sinks, gsinks)) -> (value, aux)`
+    differentiated with respect to the sinks (and gsinks), whose cotangents the unit hooks fill with the
+    reduced grads (and the gathered params). The loss's jaxpr is checked first (`unit_check.check_loss`) and
+    the carries it finds outside once-per-step calls are added by `units.micro_batch_loss`.
+    Returns (aux, (grads, gathered params or None))."""
+    outside = check_loss(loss_at, view(sinks, gsinks))
+
+    def loss_of(sinks, gsinks):
+        return micro_batch_loss(loss_at, view(sinks, gsinks), outside)
+
+    (_, aux), grads = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
+    return aux, grads
 
 
 def _hands_on(stage: Stage) -> bool:

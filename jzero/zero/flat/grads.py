@@ -31,11 +31,10 @@ import jax.numpy as jnp
 from jzero.mesh import AXES, BATCH_AXES
 from jzero.zero.common.batch import grad_scale
 from jzero.zero.common.loss_scale import scaled_loss
-from jzero.zero.common.schedule import Phase, run_schedule
-from jzero.zero.common.unit_check import check_loss
-from jzero.zero.common.units import UnitParam, micro_batch_loss, scale_grad
+from jzero.zero.common.schedule import Phase, backward, run_schedule
+from jzero.zero.common.units import UnitParam, scale_grad
 from jzero.zero.config import Stage
-from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD, bucket_hooks, bucket_values, flat_view, sink_axes
+from jzero.zero.flat.hooks import Mode, bucket_hooks, bucket_values, flat_view, sink_axes
 from jzero.zero.flat.local import from_local
 
 PyTree = Any
@@ -46,10 +45,10 @@ def _zeros(shape, dtype, axes) -> jax.Array:
     return jax.lax.pcast(jnp.zeros(shape, dtype), axes, to="varying") if axes else jnp.zeros(shape, dtype)
 
 
-def _mode(stage: Stage, phase: Phase) -> str:
+def _mode(stage: Stage, phase: Phase) -> Mode:
     if phase.stacked(stage):
-        return BUCKET
-    return SHARD if phase.gathers(stage) else PARAMS
+        return Mode.BUCKET
+    return Mode.SHARD if phase.gathers(stage) else Mode.PARAMS
 
 
 def phase_hooks(prog, phase: Phase) -> list:
@@ -59,8 +58,8 @@ def phase_hooks(prog, phase: Phase) -> list:
     mode = _mode(stage, phase)
     return bucket_hooks(
         fp, mode, grad_scale(fp.plan.mesh, o.microbatches), o.grad_reduce_dtype, reduce=phase.reduces(stage),
-        extract=phase.extracts(stage), keep=mode == SHARD and not stage.shards_params,
-        reshard=mode == SHARD and prog.reshard_after_forward and stage.shards_params,
+        extract=phase.extracts(stage), keep=mode == Mode.SHARD and not stage.shards_params,
+        reshard=mode == Mode.SHARD and prog.reshard_after_forward and stage.shards_params,
     )  # fmt: skip
 
 
@@ -95,14 +94,7 @@ def run_phase(prog, phase: Phase, params, mb, acc=None, loss_scale=None, model_s
     def loss_at(view):
         return scaled_loss(prog.loss_fn, loss_scale)(view, mb, model_state, **prog.axis_kwargs)
 
-    zeros = sinks(prog, reduces)
-    outside = check_loss(loss_at, view(zeros, gsinks))
-
-    def loss_of(sinks, gsinks):
-        return micro_batch_loss(loss_at, view(sinks, gsinks), outside)
-
-    grad = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
-    (_, (loss, metrics, stats)), (g, full) = grad(zeros, gsinks)
+    (loss, metrics, stats), (g, full) = backward(loss_at, view, sinks(prog, reduces), gsinks)
     if not reduces:  # this rank's own buckets, unscaled: scaled as they enter the accumulator
         g = [scale_grad(x, grad_scale(fp.plan.mesh, prog.options.microbatches), prog.options.grad_reduce_dtype)
              for x in g]  # fmt: skip
@@ -128,6 +120,6 @@ def evaluate_view(prog, params) -> PyTree:
     gathered per unit (the sinks, never differentiated, only need the layer dims a scan slices)."""
     fp = prog.fp
     hooks = phase_hooks(prog, Phase.ALIKE)
-    values = bucket_values(fp, SHARD, params)
+    values = bucket_values(fp, Mode.SHARD, params)
     buckets = [UnitParam(v, jnp.zeros(buf.lead), h) for v, h, (buf, _) in zip(values, hooks, fp.buckets)]
     return flat_view(fp, jax.tree.structure(fp.plan.tensors), buckets)

@@ -30,6 +30,7 @@ sums over (`sink_axes`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +44,14 @@ from jzero.zero.flat.local import bucket_of
 from jzero.zero.flat.plan import REST, FlatBuffer, FlatPlan
 
 PyTree = Any
-PARAMS, SHARD, BUCKET = "params", "shard", "bucket"  # what a bucket's value is (module docstring)
+
+
+class Mode(enum.Enum):
+    """What a bucket's value is, as its hook gathers it (module docstring)."""
+
+    PARAMS = "params"  # the bucket's params as they rest whole
+    SHARD = "shard"  # this rank's part of the bucket, gathered over the inner DP axes
+    BUCKET = "bucket"  # the whole bucket, which an earlier micro-batch gathered
 
 
 def _varying(x: jax.Array, axes) -> jax.Array:
@@ -68,7 +76,7 @@ def _tp_invariant(x: jax.Array) -> jax.Array:
 class BucketHook(UnitHook):
     """What one bucket of a unit does in the step (module docstring); static and hashable.
 
-    buf, b: the buffer and its bucket. mode: PARAMS, SHARD or BUCKET. shapes, dtypes: its params'
+    buf, b: the buffer and its bucket. mode: its `Mode`. shapes, dtypes: its params'
     one-layer local shapes and dtypes, in the bucket's order. tp_named: per param, whether its tp
     spec names tp (it stays tp-varying). dp_axes: per param, its DP domain (a PARAMS value enters
     invariant over it). scale: 1 / (dense DP size x micro-batches). reduce: reduce over DP; False: the
@@ -77,7 +85,7 @@ class BucketHook(UnitHook):
 
     buf: FlatBuffer
     b: int
-    mode: str
+    mode: Mode
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     tp_named: tuple[bool, ...]
@@ -91,9 +99,9 @@ class BucketHook(UnitHook):
     probe: bool = False
 
     def gather(self, value):
-        if self.mode == PARAMS:
+        if self.mode == Mode.PARAMS:
             return tuple(value)
-        if self.mode == BUCKET:  # a gsink's cotangent: varies over every axis already
+        if self.mode == Mode.BUCKET:  # a gsink's cotangent: varies over every axis already
             return value
         # The resting shard enters varying over its spec's axes (rows: model axes; columns: inner DP), and
         # all_gather keeps that: the whole bucket, identical over the inner axes, is typed as varying there.
@@ -101,7 +109,7 @@ class BucketHook(UnitHook):
         return _varying(full, [a for a in AXES if a not in self.buf.model_axes + self.buf.inner_axes])
 
     def split(self, full) -> tuple:
-        if self.mode == PARAMS:  # as the loss gets them without units: DP-varying (this rank's grads)
+        if self.mode == Mode.PARAMS:  # as the loss gets them without units: DP-varying (this rank's grads)
             return tuple(_varying(x.astype(d), dp) for x, d, dp in zip(full, self.dtypes, self.dp_axes))
         start = self.buf.layout.bucket_indices[self.b][0]
         spans = [self.buf.layout.param_index_map[j][:2] for j in self.buf.layout.bucket_params[self.b]]
@@ -153,7 +161,7 @@ def _named(spec) -> set[str]:
 def bucket_values(fp: FlatPlan, mode: str, params: PyTree) -> list:
     """Per plan bucket, what its hook gathers in `mode`: PARAMS: its params (from the model-shaped local
     `params`); SHARD, BUCKET: `params` is already the per-bucket list (resting shards, or gathered buckets)."""
-    if mode != PARAMS:
+    if mode != Mode.PARAMS:
         return list(params)
     leaves = jax.tree.leaves(params)
     return [tuple(leaves[buf.params[j]] for j in buf.layout.bucket_params[b]) for buf, b in fp.buckets]

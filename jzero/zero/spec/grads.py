@@ -41,11 +41,10 @@ from jax.sharding import PartitionSpec as P
 from jzero.mesh import BATCH_AXES, EP_AXIS, OUTER_AXIS, axes_size
 from jzero.zero.common.batch import grad_scale, split_batch
 from jzero.zero.common.loss_scale import scaled_loss
-from jzero.zero.common.schedule import Phase, run_schedule
+from jzero.zero.common.schedule import Phase, backward, run_schedule
 from jzero.zero.common.state import LossFn, ModelState, loss_parts
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, restrict, spec_axes
-from jzero.zero.common.unit_check import check_loss
-from jzero.zero.common.units import Hook, UnitParam, materialize, micro_batch_loss, scale_grad
+from jzero.zero.common.units import Hook, UnitParam, materialize, scale_grad
 from jzero.zero.config import StepOptions, ZeroConfig
 
 PyTree = Any
@@ -162,12 +161,7 @@ def run_phase(loss_metrics, plan, options, config, phase, params, mb, acc=None, 
         def loss_at(view):
             return scaled_loss(loss_metrics, loss_scale)(view, _squeeze(mb), model_state, **ep_kwargs(plan))
 
-        outside = check_loss(loss_at, view(sinks, gsinks))
-
-        def loss_of(sinks, gsinks):
-            return micro_batch_loss(loss_at, view(sinks, gsinks), outside)
-
-        (_, (loss, *aux)), (g, full) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(sinks, gsinks)
+        (loss, *aux), (g, full) = backward(loss_at, view, sinks, gsinks)
         g = jax.tree.map(lambda x: scale_grad(x, scale, reduce_dtype)[None], g) if local else g
         full = None if full is None else jax.tree.map(lambda x: x[None], full)
         return loss[None], jax.tree.map(lambda m: m[None], tuple(aux)), g, full

@@ -9,7 +9,7 @@ from helpers import assert_matches_reference, flat_config
 from jzero.train.loop import setup
 from jzero.zero.common.schedule import Phase
 from jzero.zero.flat.grads import phase_hooks
-from jzero.zero.flat.hooks import BUCKET, PARAMS, SHARD
+from jzero.zero.flat.hooks import Mode
 
 SCAN = {"scan_layers": True, "remat": True}
 MOE = {"moe": {"num_experts": 4, "top_k": 2, "every": 2, "capacity_factor": 1.0}}
@@ -56,11 +56,11 @@ class _Program:
 @pytest.mark.parametrize(
     "strategy, phase, mode, flags",
     [
-        ("no_shard", Phase.ALIKE, PARAMS, {"reduce"}),  # DDP: psum, params whole
-        ("optim", Phase.MIDDLE, BUCKET, set()),  # ZeRO-1's middle: accumulate
-        ("optim", Phase.FIRST, SHARD, {"extract", "keep"}),  # ZeRO-1's first
-        ("optim", Phase.LAST, BUCKET, {"reduce"}),  # its last
-        ("optim_grads_params", Phase.ALIKE, SHARD, {"reduce", "reshard"}),  # ZeRO-3
+        ("no_shard", Phase.ALIKE, Mode.PARAMS, {"reduce"}),  # DDP: psum, params whole
+        ("optim", Phase.MIDDLE, Mode.BUCKET, set()),  # ZeRO-1's middle: accumulate
+        ("optim", Phase.FIRST, Mode.SHARD, {"extract", "keep"}),  # ZeRO-1's first
+        ("optim", Phase.LAST, Mode.BUCKET, {"reduce"}),  # its last
+        ("optim_grads_params", Phase.ALIKE, Mode.SHARD, {"reduce", "reshard"}),  # ZeRO-3
     ],
     ids=["ddp", "zero1-accumulate", "zero1-first", "zero1-last", "zero3"],
 )

@@ -16,7 +16,7 @@ from jzero.inspect.compile import compile_step
 from jzero.inspect.hlo import ring_wire_bytes
 from jzero.mesh import AXES
 from jzero.train.loop import setup
-from jzero.zero.flat.hooks import PARAMS, SHARD, bucket_hooks, sink_axes
+from jzero.zero.flat.hooks import Mode, bucket_hooks, sink_axes
 
 SCAN = {"scan_layers": True, "remat": True}
 
@@ -28,7 +28,7 @@ def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
     axis but those its reduction sums without scattering (DDP's)."""
     run = setup(flat_config("optim_grads", (8, 1, 1), model=SCAN, bucket_size=3000), with_data=False)
     fp = run.zero.flat
-    (buf, b), hook = next(((bb, h) for bb, h in zip(fp.buckets, bucket_hooks(fp, SHARD, 0.5, jnp.float32))
+    (buf, b), hook = next(((bb, h) for bb, h in zip(fp.buckets, bucket_hooks(fp, Mode.SHARD, 0.5, jnp.float32))
                            if bb[0].layers))  # fmt: skip
     start, end = buf.layout.bucket_indices[b]
     bucket = jnp.arange(end - start, dtype=jnp.float32)
@@ -37,7 +37,7 @@ def test_a_hook_cuts_its_bucket_into_params_and_lays_grads_at_their_ranges():
         ps, pe, _ = buf.layout.param_index_map[j]
         assert x.shape == shape
         np.testing.assert_array_equal(np.asarray(x).reshape(-1), np.arange(ps, pe) - start)
-    local = bucket_hooks(fp, PARAMS, 0.5, jnp.float32, reduce=False)[fp.buckets.index((buf, b))]
+    local = bucket_hooks(fp, Mode.PARAMS, 0.5, jnp.float32, reduce=False)[fp.buckets.index((buf, b))]
     laid = local.reduce_grads(tuple(jnp.full(s, 3.0, jnp.bfloat16) for s in local.shapes), None)
     assert laid.dtype == jnp.bfloat16
     filled = np.zeros(end - start, bool)
