@@ -226,8 +226,11 @@ def theory_wire_bytes(stage: str, d: int, g: float, p: float) -> float:
 
 
 def dp_wire_bytes(compiled, mesh) -> dict[str, float]:
-    """Per-device ring bytes of the compiled program's collectives over data-parallel axes, by kind."""
+    """Per-device ring bytes of the compiled program's collectives over data-parallel axes, by kind (none on a
+    mesh of one device, whose program is not read)."""
     by_kind: dict[str, float] = {}
+    if mesh.size == 1:
+        return by_kind
     for row in hlo.summarize(hlo.parse_collectives(compiled.as_text()), mesh):
         if row["axes"] and set(row["axes"]) <= set(DENSE_DP_AXES):
             by_kind[row["kind"]] = by_kind.get(row["kind"], 0.0) + row["wire_bytes"]
