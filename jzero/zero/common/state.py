@@ -65,24 +65,6 @@ class TrainState(NamedTuple):
     model_state: PyTree = None
 
 
-class Programs(NamedTuple):
-    """What each path builds for `build.build_zero` (the `Zero` fields of the same names).
-
-    shardings: a TrainState of NamedShardings. init_opt: params -> ZeroState, called under jit.
-    step: jitted (state, batch) -> (state, metrics). grads: jitted (params, batch, model_state=None)
-    -> the reduced grads. evaluate: jitted (params, batch, model_state=None) -> {"loss", **metrics},
-    the step's forward without grads. (model_state None: the `ModelState`'s initial state, if any.)
-    to_state: traceable params tree -> what `TrainState.params` holds, or None (the tree itself).
-    """
-
-    shardings: TrainState
-    init_opt: Callable
-    step: Callable
-    grads: Callable
-    evaluate: Callable
-    to_state: Callable | None = None
-
-
 def with_metrics(loss_fn: LossFn, has_aux: bool) -> Callable[..., tuple[jax.Array, dict]]:
     """`loss_fn` as (params, batch, **axes) -> (loss, metrics): metrics is the dict of scalars a
     `has_aux` loss returns beside its loss (each averaged over ranks and microbatches by the step),
@@ -138,7 +120,7 @@ def init_train_state(
       init_params: () -> params (global shapes), traced under jit.
       init_opt: the state's params -> `ZeroState` (the path's optimizer init).
       shardings: a TrainState of NamedShardings.
-      to_state: the params tree -> what the state holds (`Programs.to_state`), None: the tree.
+      to_state: the params tree -> what the state holds (`engine.Layout.to_state`), None: the tree.
       model_state: the model's `ModelState` (its `init` gives the state), or None.
     """
 
