@@ -319,7 +319,7 @@ def rel_param_errors(params, ref) -> dict[str, float]:
 
 def matrix(meshes) -> list:
     """(strategy, mesh, microbatches, path) cases that run each code path of the step once per mesh
-    and path (`jzero/zero/spec/step.py`, `jzero/zero/flat/step.py`):
+    and path (`jzero/zero/spec/grads.py`, `jzero/zero/flat/layout.py`):
 
       no_shard x 1: DDP's reduction (all-reduce / psum) and its replicated update;
       optim x 2: the microbatch loop accumulating full local grads (DDP's and ZeRO-1's, laid out

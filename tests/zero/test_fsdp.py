@@ -145,7 +145,7 @@ def module_level_loss(params, batch):
 @pytest.mark.slow
 def test_a_scan_body_jax_caches_trains_like_plain_optax(path):
     """`check_loss` traces the loss with the units' params as zeros just before the step's own trace;
-    its probe is a static part of the units' hooks (`Hook.probe`), so jax's cache of the scan body's
+    its probe is a static part of the units' hooks (`UnitHook.probe`), so jax's cache of the scan body's
     jaxpr cannot hand the probe's zeros to the step (it would, keyed on a probe flag kept elsewhere)."""
     mesh, abstract = make_mesh(MeshConfig(dp=8)), jax.eval_shape(init_stack)
     tx, tp_specs = optax.adam(1e-2), jax.tree.map(lambda _: P(), abstract)

@@ -448,7 +448,7 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     remat: recompute the whole unit in backward, keeping only its inputs (Megatron's full
     recompute, `jax.checkpoint`), ZeRO or not. Under ZeRO-3 it subsumes `reshard_after_forward`
     (the params are gathered again with the rest); params gathered for the whole step
-    (`Hook.keep`: ZeRO-1/2's overlap_param_gather) are gathered before the recomputed part and
+    (`UnitHook.keep`: ZeRO-1/2's overlap_param_gather) are gathered before the recomputed part and
     kept, as Megatron's persistent params are. A second checkpoint inside the model's own would
     gather ZeRO-3's params a third time, so a model that recomputes its units says so here rather
     than wrapping `unit`.

@@ -16,7 +16,7 @@ from jzero.zero.flat.plan import FlatPlan
 
 def flat_offload(fp: FlatPlan, inner: optax.GradientTransformation, shardings: ZeroState, fraction: float) -> Offload:
     """The flat path's `Offload`: whole buckets, in bucket order (module docstring); `shardings`: the
-    ZeroState's without offload (`flat/step.opt_state_shardings`).
+    ZeroState's without offload (`flat/state.opt_state_shardings`).
 
     A bucket's size is the elements one device steps (`FlatPlan.shard_shape`: a scanned stack's bucket,
     [L, S_b/d], is one unit of offload, every layer). A state leaf belongs to bucket b if it sits at

@@ -47,7 +47,7 @@ def test_every_flat_schedule_matches_single_device_optax(strategy, mesh, microba
 
 
 class _Program:
-    """What `phase_hooks` reads of a `step.FlatProgram`."""
+    """What `phase_hooks` reads of a `layout.FlatProgram`."""
 
     def __init__(self, z, reshard_after_forward=True):
         self.fp, self.options, self.reshard_after_forward = z.flat, z.options, reshard_after_forward
