@@ -18,8 +18,7 @@ the bias correction and the LR schedule, are set to it; `MegatronCheckpoint.note
 Megatron-Core 0.16.1's torch-AdamW fallback can save another one after it resumed (it resets or
 shares the per-param step on load), which jzero reports and does not use.
 
-Only dense models without tensor or pipeline parallelism in the checkpoint (one `mp_rank_00`, one
-buffer of one dtype pair) and Adam's state are read; anything else is refused in one line.
+What is read, and what is refused: `jzero.interop.megatron_read`.
 """
 
 from __future__ import annotations
