@@ -30,12 +30,15 @@ from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPat
 from jzero.zero.engine import Layout, LayoutInputs, build_programs
 from jzero.zero.flat.layout import flat_layout
 from jzero.zero.flat.plan import FlatPlan
+from jzero.zero.owned.layout import owned_layout
 from jzero.zero.spec.layout import spec_layout
 from jzero.zero.spec.optimizer import opt_state_shardings
 
 PyTree = Any
 # The layouts of the engine, by `zero.path`: each builds a `Layout` from the run's `LayoutInputs`.
-LAYOUTS: dict[ZeroPath, Callable[[LayoutInputs], Layout]] = {ZeroPath.SPEC: spec_layout, ZeroPath.FLAT: flat_layout}
+LAYOUTS: dict[ZeroPath, Callable[[LayoutInputs], Layout]] = {
+    ZeroPath.SPEC: spec_layout, ZeroPath.FLAT: flat_layout, ZeroPath.OWNED: owned_layout,
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ class ZeroPath(str, enum.Enum):
 
     SPEC = "spec"  # sharding specs; XLA emits the collectives
     FLAT = "flat"  # Megatron's flat buckets, explicit psum_scatter / all_gather
+    OWNED = "owned"  # whole-tensor ownership: each param (or layer) stepped whole by one rank (Muon, Adafactor)
 
 
 class ParamGatherDType(str, enum.Enum):
@@ -85,6 +86,9 @@ class ZeroConfig:
     # needs it on), but off with param_gather_dtype (whose quantized gather follows the step); ignored
     # by no_shard (no gather) and optim_grads_params (which always does this).
     overlap_param_gather: bool | None = None
+    # Owned path: how whole params (or layers) are dealt to their owners (`owned/plan.OwnedBalance`):
+    # "elements" (largest first to the least-loaded rank) or "megatron" (Megatron-Core 0.16.1's ping-pong).
+    owned_balance: str = "elements"
 
     def __post_init__(self):
         for key, cls in (("strategy", ShardingStrategy), ("path", ZeroPath), ("outer_strategy", OuterStrategy)):
@@ -104,6 +108,10 @@ class ZeroConfig:
                 )
             if self.strategy == ShardingStrategy.NO_SHARD:
                 raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
+        if self.owned_balance not in ("elements", "megatron"):
+            raise ConfigError(f"zero.owned_balance={self.owned_balance!r} is not one of: elements, megatron")
+        if self.path == ZeroPath.OWNED:
+            _check_owned(self)
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ConfigError(
                 "zero.overlap_param_gather=true needs zero.overlap_grad_reduce=true (as Megatron's); "
@@ -121,11 +129,29 @@ class ZeroConfig:
     def stage(self) -> Stage:
         """What this config shards and how its step is scheduled (`Stage`)."""
         overlap = self.overlap_param_gather
+        if self.path == ZeroPath.OWNED:  # the params stay whole; one reduction to the owners per step or micro-batch
+            return Stage.of(self.strategy, overlap_param_gather=False, overlap_grad_reduce=False, path=self.path)
         if overlap is None:  # Megatron needs overlap_grad_reduce for it; the quantized gather follows the step
             overlap = self.overlap_grad_reduce and self.param_gather_dtype is None
         return Stage.of(
             self.strategy, overlap_param_gather=overlap, overlap_grad_reduce=self.overlap_grad_reduce, path=self.path
         )
+
+
+def _check_owned(config: ZeroConfig) -> None:
+    """The owned path's limits: ZeRO-1/2 (the params stay whole on every rank), HSDP only with each
+    replica holding the whole owned state, no host offload."""
+    if config.strategy not in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+        raise ConfigError(
+            f"zero.path=owned needs zero.strategy=optim or optim_grads (whole params are owned by one rank "
+            f"each and gathered after the step), not {config.strategy.value}"
+        )
+    if config.outer_strategy != OuterStrategy.NO_SHARD:
+        raise ConfigError("zero.path=owned needs zero.outer_strategy=no_shard (each HSDP replica owns the whole model)")
+    if config.offload_fraction:
+        raise ConfigError("zero.path=owned keeps the optimizer state in device memory: set zero.offload_fraction=0")
+    if config.overlap_param_gather:
+        raise ConfigError("zero.path=owned gathers the params after the step: set zero.overlap_param_gather=false")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,7 @@ class Layout:
       shapes, and back; None: it is laid out per parameter already.
     grad_buffer: dtype -> the grad buffer the micro-batches accumulate into, as sharded ShapeDtypeStructs.
     flat: Megatron's flat buffers (`flat/plan.FlatPlan`) for a layout built on them, else None.
+    owned: who owns which whole param (`owned/plan.OwnedPlan`) on the owned layout, else None.
     """
 
     shardings: TrainState
@@ -92,6 +93,7 @@ class Layout:
     to_model_space: Callable | None = None
     from_model_space: Callable | None = None
     flat: Any = None
+    owned: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,3 +247,51 @@ def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, g
                 f"param groups set {field} but {transformation_name(inner)} never reads it: put "
                 f"jzero.zero.groups.{where[field]} in the chain (jzero.zero.groups.adamw has both), or pass no groups"
             )
+
+
+def check_per_tensor(inner: optax.GradientTransformation, plan: ShardingPlan, owned, groups: PyTree | None = None) -> None:
+    """Raises ConfigError unless `inner` steps each param alone (each layer of a stacked one, where the owned
+    layout owns it by layer: `owned.stacked`) as it steps it among all the params.
+
+    The owned layout (`owned/layout.py`) steps each rank's params whole but without the others, which it
+    hands the transformation as `optax.MaskedNode`s; a norm, clip or skip across params inside the chain
+    would see only the rank's own. Compares two steps' updates on the miniature (module docstring).
+    """
+    params, grads = _miniature(plan)
+    values = None if groups is None else per_param_values(groups)
+    leaves, treedef = jax.tree.flatten(params)
+    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.tensors)[0]]
+    cases = [(i, layer) for i, x in enumerate(leaves) for layer in (range(x.shape[0]) if owned.stacked[i] else [None])]
+
+    def alone(tree, i, layer):
+        xs = treedef.flatten_up_to(tree)
+        out = [optax.MaskedNode()] * len(xs)
+        out[i] = xs[i] if layer is None or not jnp.ndim(xs[i]) else xs[i][layer : layer + 1]
+        return treedef.unflatten(out)
+
+    def runs(params, grads):
+        reference = _run(inner, params, grads, values)
+        each = []
+        for i, layer in cases:
+            vals = None if values is None else GroupValues(*(alone(v, i, layer) for v in values))
+            each.append(_run(inner, alone(params, i, layer), [alone(g, i, layer) for g in grads], vals)[0])
+        return reference, each
+
+    what = transformation_name(inner)
+    try:
+        reference, each = jax.jit(runs)(params, grads)
+    except Exception as e:  # a transformation built for the whole tree's structure
+        raise ConfigError(
+            f"zero.path=owned cannot run {what}: it fails on one param alone ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}). Use zero.path=spec."
+        ) from None
+    for (i, layer), u in zip(cases, each):
+        ref = reference[i] if layer is None else reference[i][:, layer : layer + 1]
+        error = _step_error(u, ref)
+        if error > TOLERANCE:
+            where = names[i] + ("" if layer is None else f" (layer {layer})")
+            raise ConfigError(
+                f"zero.path=owned steps each param whole and alone on its owner, and {what} steps param {where} "
+                f"differently alone than among all params (a norm, clip or skip across params inside the chain?). "
+                "Clip with build_zero's clip_grad (the CLI's optimizer.clip_grad) instead, or use zero.path=spec."
+            )
