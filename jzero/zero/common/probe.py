@@ -40,6 +40,10 @@ PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
 MINIATURE_ELEMENTS = 64
 LARGE_GRADS = 1e8
+# check_per_tensor: a param stepped alone is a different XLA program (Newton-Schulz's matmuls fuse and sum
+# in another order: 1e-6 relative, measured on Muon); a chain coupling params differs by O(1) there (the
+# first step's grads are LARGE_GRADS: any clip crosses its threshold).
+PER_TENSOR_TOLERANCE = 1e-4
 
 
 def transformation_name(tx: optax.GradientTransformation) -> str:
@@ -288,7 +292,7 @@ def check_per_tensor(inner: optax.GradientTransformation, plan: ShardingPlan, ow
     for (i, layer), u in zip(cases, each):
         ref = reference[i] if layer is None else reference[i][:, layer : layer + 1]
         error = _step_error(u, ref)
-        if error > TOLERANCE:
+        if error > PER_TENSOR_TOLERANCE:
             where = names[i] + ("" if layer is None else f" (layer {layer})")
             raise ConfigError(
                 f"zero.path=owned steps each param whole and alone on its owner, and {what} steps param {where} "

@@ -1,0 +1,188 @@
+"""The owned layout (`jzero/zero/owned/layout.py`): Muon, Adafactor and AdamW stepped on whole params by their
+owners train to plain single-device optax's numbers; the step moves DDP's bytes with no collective in the
+update but scalars; its state converts to model space and back; chains that couple params are refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import MOE, assert_matches_reference, clip_by_global_norm, pytree, tiny_config
+from jzero.errors import ConfigError
+from jzero.inspect.hlo import parse_collectives
+from jzero.mesh import MeshConfig, make_mesh
+from jzero.zero import DynamicLossScale, ZeroConfig, build_zero
+from jzero.zero.owned.layout import owned_layout
+
+INNERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "muon": lambda: optax.contrib.muon(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+STEPS = 3
+
+
+def _plain(inner, params, batches, clip=None):
+    """Plain single-device optax, with Megatron's clipping on the global norm when `clip`."""
+    state = inner.init(params)
+    for b in batches:
+        grads, _ = clip_by_global_norm(jax.grad(pytree.loss)(params, b), clip)
+        updates, state = inner.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _train(zero, batches):
+    state = zero.init_state(pytree.init_params)
+    for b in batches:
+        state, metrics = zero.step(state, b)
+    return state, metrics
+
+
+@pytest.mark.parametrize(
+    "inner, dp, strategy, microbatches",
+    [("muon", 4, "optim_grads", 2), ("adamw", 2, "optim", 1), ("adafactor", 8, "optim_grads", 1),
+     ("muon", 8, "optim", 2), ("adamw", 4, "optim_grads", 2), ("adafactor", 2, "optim", 2)],
+)  # fmt: skip
+@pytest.mark.matrix
+def test_matches_plain_optax(inner, dp, strategy, microbatches):
+    batches = [pytree.batch(seed) for seed in range(STEPS)]
+    zero = pytree.build(strategy, "owned", dp=dp, inner=INNERS[inner](), microbatches=microbatches, clip_grad=0.5)
+    state, _ = _train(zero, batches)
+    want = _plain(INNERS[inner](), pytree.init_params(), batches, clip=0.5)
+    for name in want:
+        np.testing.assert_allclose(state.params[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_bf16_params_match_the_spec_layout():
+    """bf16 params, fp32 main params per owner: the same step as the spec layout's ZeRO-2, to fp32 rounding."""
+    batches = [pytree.batch(seed) for seed in range(STEPS)]
+    runs = {}
+    for path in ("spec", "owned"):
+        zero = pytree.build("optim_grads", path, dp=4, inner=optax.adamw(1e-2, weight_decay=0.1), dtype=jnp.bfloat16,
+                            clip_grad=1.0)  # fmt: skip
+        state = zero.init_state(lambda: pytree.init_params(dtype=jnp.bfloat16))
+        for b in batches:
+            state, metrics = zero.step(state, b)
+        runs[path] = (zero.to_model_space(state.opt_state), metrics)
+    spec, owned = runs["spec"], runs["owned"]
+    np.testing.assert_allclose(owned[1]["grad_norm"], spec[1]["grad_norm"], rtol=1e-6)
+    for name in spec[0].main_params:
+        np.testing.assert_allclose(owned[0].main_params[name], spec[0].main_params[name], rtol=1e-6, atol=1e-7)
+
+
+def test_loss_scaling_skips_as_the_spec_layout():
+    """fp16 params: the first steps overflow at the initial scale and are skipped, as on the spec layout."""
+    batches = [pytree.batch(seed) for seed in range(3)]
+    out = {}
+    for path in ("spec", "owned"):
+        zero = pytree.build("optim", path, dp=2, dtype=jnp.float16, loss_scale=DynamicLossScale(initial_loss_scale=2.0**20))
+        state = zero.init_state(lambda: pytree.init_params(dtype=jnp.float16))
+        skipped = []
+        for b in batches:
+            state, metrics = zero.step(state, b)
+            skipped.append(float(metrics["skipped"]))
+        out[path] = (skipped, state.params)
+    assert out["owned"][0] == out["spec"][0] and 1.0 in out["owned"][0]
+    for name in out["spec"][1]:
+        np.testing.assert_allclose(np.float32(out["owned"][1][name]), np.float32(out["spec"][1][name]), rtol=1e-3)
+
+
+def test_model_space_round_trip_and_resume_onto_spec():
+    """to_model_space gives the spec layout's state (same steps, to rounding); from_model_space inverts it
+    bitwise; the spec layout continues from the owned state as from its own."""
+    batches = [pytree.batch(seed) for seed in range(3)]
+    inner = lambda: optax.adamw(1e-2, weight_decay=0.1)  # noqa: E731
+    owned, spec = (pytree.build("optim", path, dp=4, inner=inner()) for path in ("owned", "spec"))
+    o_state, _ = _train(owned, batches[:2])
+    s_state, _ = _train(spec, batches[:2])
+    o_model = jax.jit(owned.to_model_space)(o_state.opt_state)
+    s_model = spec.to_model_space(s_state.opt_state)
+    for a, b in zip(jax.tree.leaves(o_model), jax.tree.leaves(s_model)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    back = jax.jit(owned.from_model_space)(o_model)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(o_state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    params = jax.tree.map(jnp.copy, o_state.params)  # the spec step donates its state
+    moved = s_state._replace(params=params, opt_state=jax.jit(spec.from_model_space)(o_model))
+    moved, m_spec = spec.step(jax.device_put(moved, spec.shardings), batches[2])
+    _, m_owned = owned.step(o_state, batches[2])
+    np.testing.assert_allclose(m_spec["loss"], m_owned["loss"], rtol=1e-6)
+
+
+def _residual(blocks=8, d=64, f=256):
+    """The issue's model, scaled: residual blocks of [d, f] and [f, d] matrices."""
+    keys = jax.random.split(jax.random.key(0), 2 * blocks)
+    params = {f"block{i}": {"w1": 0.05 * jax.random.normal(keys[2 * i], (d, f)),
+                            "w2": 0.05 * jax.random.normal(keys[2 * i + 1], (f, d))} for i in range(blocks)}  # fmt: skip
+
+    def loss(params, batch):
+        h = batch["x"]
+        for i in range(blocks):
+            h = h + jnp.tanh(h @ params[f"block{i}"]["w1"]) @ params[f"block{i}"]["w2"]
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    batch = {"x": jnp.ones((16, d)), "y": jnp.zeros((16, d))}
+    return params, loss, batch
+
+
+def _wire(strategy, path, inner, dp=8):
+    params, loss, batch = _residual()
+    mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
+    zero = build_zero(loss, inner, mesh, jax.eval_shape(lambda: params), jax.tree.map(lambda _: P(), params),
+                      ZeroConfig(strategy, path, overlap_grad_reduce=False))  # fmt: skip
+    state = jax.eval_shape(lambda: zero.init_state(lambda: params))
+    text = zero.step.lower(state, batch).compile().as_text()
+    return parse_collectives(text), sum(x.size for x in jax.tree.leaves(params)) * 4
+
+
+def test_wire_bytes_are_ddps_and_the_update_has_no_collective():
+    """Muon owned (ZeRO-1): one reduce-scatter and one all-gather of the owners' segments, DDP's bytes
+    (the model's 16 matrices dealt 2 per rank: no padding), and every other collective a scalar."""
+    owned, nbytes = _wire("optim", "owned", optax.contrib.muon(1e-2))
+    ddp, _ = _wire("no_shard", "spec", optax.contrib.muon(1e-2))
+    big = [c for c in owned if c.payload_bytes > 8]
+    assert sorted(c.kind for c in big) == ["all-gather", "reduce-scatter"]
+    ratio = sum(c.wire_bytes for c in big) / sum(c.wire_bytes for c in ddp if c.payload_bytes > 8)
+    assert ratio == pytest.approx(1.0, abs=1e-3)
+    assert sum(c.wire_bytes for c in ddp) == pytest.approx(2 * 7 / 8 * nbytes, rel=1e-3)
+
+
+def test_refuses_a_chain_that_couples_params():
+    with pytest.raises(ConfigError, match="differently alone than among all params"):
+        pytree.build("optim", "owned", dp=2, inner=optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2)))
+
+
+@pytest.mark.parametrize("zero, match", [({"strategy": "optim_grads_params"}, "optim or optim_grads"),
+                                         ({"strategy": "no_shard"}, "optim or optim_grads"),
+                                         ({"offload_fraction": 0.5}, "offload_fraction=0")])  # fmt: skip
+def test_refuses_what_it_cannot_run(zero, match):
+    with pytest.raises(ConfigError, match=match):
+        ZeroConfig(**{"path": "owned", **zero})
+
+
+def test_layout_is_registered():
+    from jzero.zero.build import LAYOUTS
+    from jzero.zero.config import ZeroPath
+
+    assert LAYOUTS[ZeroPath.OWNED] is owned_layout
+
+
+@pytest.mark.parametrize(
+    "strategy, mesh, microbatches, model",
+    [("optim", (8, 1, 1), 1, {}), ("optim_grads", (4, 1, 1), 2, {}), ("optim_grads", (4, 2, 1), 1, {"moe": MOE}),
+     ("optim", (2, 2, 1), 2, {"moe": MOE})],
+)  # fmt: skip
+@pytest.mark.slow
+def test_gpt_matches_single_device_optax(strategy, mesh, microbatches, model):
+    """jzero's scanned GPT (its blocks owned by layer) and its MoE (experts over the expert-DP domain)."""
+    cfg = tiny_config(strategy, mesh, microbatches, zero={"path": "owned"}, model=model)
+    assert_matches_reference(cfg, devices=jax.devices()[: mesh[0] * mesh[1] * mesh[2]])
+
+
+def test_dataclass_config_keeps_the_balance():
+    assert dataclasses.replace(ZeroConfig(path="owned"), owned_balance="megatron").owned_balance == "megatron"
