@@ -134,6 +134,8 @@ def _cmd_layout(args) -> int:
     import json
 
     cfg = load_config(args.config, args.set)
+    if cfg.zero.path == ZeroPath.OWNED:  # whole-tensor ownership: which rank owns which param (or layer)
+        return _owned_layout(cfg, args)
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the flat path's layout
     _start(cfg)
     from jzero.inspect.layout import describe, format_layout
@@ -143,6 +145,27 @@ def _cmd_layout(args) -> int:
     if not 0 <= args.rank < d["buffer"]["dp_size"]:
         raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
     print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))
+    return 0
+
+
+def _owned_layout(cfg, args) -> int:
+    import json
+
+    _start(cfg)
+    import jax
+
+    from jzero.run import build_run
+    from jzero.zero.owned.plan import describe as describe_owned
+
+    zero = build_run(cfg).zero
+    owned, names = zero.layout.owned, [t.name for t in jax.tree.leaves(zero.plan.tensors)]
+    if args.json:
+        doms = [{"axes": list(d.axes), "segment": d.size, "owners": [
+            [{"param": names[p.leaf], "layer": p.layer, "offset": p.offset, "numel": p.numel} for p in d.owned(r)]
+            for r in range(d.d)]} for d in owned.domains]  # fmt: skip
+        print(json.dumps({"balance": owned.balance.value, "domains": doms}, indent=1))
+    else:
+        print("\n".join(describe_owned(owned, names)))
     return 0
 
 
@@ -206,7 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     prep.set_defaults(fn=_cmd_data_prepare)
 
-    lay = sub.add_parser("layout", help="Megatron's flat buffers: buckets, padding, which rank owns what")
+    lay = sub.add_parser(
+        "layout", help="Megatron's flat buffers: buckets, padding, which rank owns what (zero.path=owned: whole params)"
+    )
     with_config(lay)
     lay.add_argument(
         "--rank",

@@ -15,7 +15,8 @@ over edp = dp_outer x dp), with P_local the params one model-parallel rank holds
   dp_outer. ZeRO-3 with bf16 params and fp32 grads is 18 P_local / d, the ZeRO paper's stage 3,
   (2 + 2 + K) P / N, with 4-byte grads. The per-device bytes are the
   sum over the domains. The flat path's P_local is its padded buckets' elements wherever it holds
-  buckets (the state, the grads, params resting as bucket shards; `flat_numel_by_domain`).
+  buckets (the state, the grads, params resting as bucket shards; `flat_numel_by_domain`); the owned
+  path's, d times its largest owner's segment (`owned_numel_by_domain`: whole params per owner).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
     moment_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inner) if x.ndim) / total_numel
     outer = (OUTER_AXIS,) if plan.mesh.shape[OUTER_AXIS] > 1 else ()
     padded = {} if zero.flat is None or ddp else flat_numel_by_domain(zero.flat)
+    if zero.layout.owned is not None and not ddp:
+        padded = owned_numel_by_domain(zero)
     out = {}
     for axes, p in plan.numel_by_domain().items():
         s = padded.get(axes, p)  # the flat path steps, reduces and stores its buckets, padding included
@@ -109,6 +112,13 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
             "grads": s * grad_b / shard_grads,
         }
     return dict(sorted(out.items()))  # dense before expert
+
+
+def owned_numel_by_domain(zero: Zero) -> dict[tuple[str, ...], int]:
+    """The owned path's P_local per data-parallel domain as it lays it out: d segments of the largest
+    owner's elements (`owned/plan.Domain.size`), so the owners' imbalance counts as padding."""
+    tensors = jax.tree.leaves(zero.plan.tensors)
+    return {tensors[dom.pieces[0].leaf].dp_axes: dom.d * dom.size for dom in zero.layout.owned.domains}
 
 
 def flat_numel_by_domain(fp) -> dict[tuple[str, ...], int]:

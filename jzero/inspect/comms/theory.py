@@ -36,6 +36,10 @@ The flat path's DDP is Megatron's one all-reduce over the whole domain (Megatron
 buffer to split over DP). With `zero.overlap_grad_reduce: false` the spec path lets XLA pick
 DDP's and ZeRO-1's collectives (one sum over the whole domain); the theory is the same hierarchy.
 
+The owned path (`zero.path: owned`, whole params per owner) moves ZeRO-1's and ZeRO-2's bytes: a
+reduce-scatter of the owners' segments (once, or per micro-batch) and one all-gather of them; its
+segments are padded to the largest owner's, which the theory leaves out as the flat path's padding.
+
 ZeRO-1 is Megatron's distributed optimizer: the full local grad buffer accumulates over the
 micro-batches and is reduce-scattered once, after the last; with G = P (fp32 params and grads)
 that is exactly DDP's all-reduce. The theory leaves out the model's tp collectives and the loss,
