@@ -47,7 +47,7 @@ def _common(sp) -> None:
         help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES}; with zero.param_gather_dtype "
         "optim,optim_grads)",
     )
-X
+    sp.add_argument("--path", choices=("spec", "flat", "owned"), help="zero.path (default: the config's)")
     sp.add_argument(
         "--target", choices=TARGET_CHOICES, default="cpu", help="compile for (default: the local cpu devices)"
     )
