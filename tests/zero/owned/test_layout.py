@@ -186,3 +186,17 @@ def test_gpt_matches_single_device_optax(strategy, mesh, microbatches, model):
 
 def test_dataclass_config_keeps_the_balance():
     assert dataclasses.replace(ZeroConfig(path="owned"), owned_balance="megatron").owned_balance == "megatron"
+
+
+@pytest.mark.slow
+def test_orbax_checkpoint_moves_between_owned_and_spec(tmp_path):
+    """A checkpoint of the owned layout restores onto the spec layout at another dp, tp and stage, and one of
+    the spec layout onto the owned, every saved array (params, moments) in place; training continues."""
+    from helpers.checkpoints import restore_matches, train_and_save
+
+    owned = tiny_config("optim", (8, 1, 1), 1, zero={"path": "owned"})
+    spec = tiny_config("optim_grads_params", (4, 1, 2), 1)
+    whole = train_and_save(tmp_path / "owned", owned)
+    restore_matches(tmp_path / "owned", whole, spec, train=True)
+    whole = train_and_save(tmp_path / "spec", spec)
+    restore_matches(tmp_path / "spec", whole, dataclasses.replace(owned, zero=ZeroConfig("optim_grads", "owned")), train=True)
