@@ -31,7 +31,7 @@ from jzero.config_schema import (
 )
 from jzero.errors import ConfigError
 from jzero.mesh import AUTO_DP, MeshConfig
-from jzero.zero.config import DynamicLossScale, ZeroConfig
+from jzero.zero.config import DynamicLossScale, ZeroConfig, ZeroPath
 
 # The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
 # falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
@@ -76,13 +76,31 @@ def _check_optimizer(o: OptimizerConfig) -> None:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     _check_param_groups(o)
     if o.moments_dtype == MomentsDType.BFLOAT16:
-        key, beta = max((("b1", o.b1), ("b2", o.b2 if o.name != OptimizerName.SGD else 0.0)), key=lambda kv: kv[1])
+        decays = [("b1", o.b1), ("b2", o.b2 if o.name != OptimizerName.SGD else 0.0)]
+        decays += [("muon.momentum", o.muon.momentum)] if o.name == OptimizerName.MUON else []
+        key, beta = max(decays, key=lambda kv: kv[1])
         if beta > BF16_MAX_DECAY:
             raise ConfigError(
                 f"optimizer.moments_dtype=bfloat16 with optimizer.{key}={beta}: a moment stored in bf16 stops "
                 f"decaying up to 2**-8 / (1 - {key}) above its value; use {key} <= {BF16_MAX_DECAY} "
                 "or moments_dtype=float32"
             )
+
+
+def _check_muon(cfg: Config) -> None:
+    o, m = cfg.optimizer, cfg.optimizer.muon
+    if o.name != OptimizerName.MUON:
+        return
+    if not 0 <= m.momentum < 1:
+        raise ConfigError(f"optimizer.muon.momentum={m.momentum} must be in [0, 1)")
+    _positive("optimizer.muon.ns_steps", m.ns_steps)
+    _positive("optimizer.muon.extra_scale_factor", m.extra_scale_factor)
+    if cfg.zero.path == ZeroPath.FLAT:
+        raise ConfigError(
+            "optimizer.name=muon cannot run on zero.path=flat, which steps slices of flat buffers: Newton-Schulz "
+            "orthogonalises whole matrices: zero.path=owned steps each whole by one rank at DDP's wire bytes "
+            "(docs/owned.md), zero.path=spec lets XLA partition it"
+        )
 
 
 def _check_precision(p: PrecisionConfig) -> None:
@@ -104,9 +122,9 @@ def loss_scale(p: PrecisionConfig) -> DynamicLossScale:
 
 def _check_param_groups(o: OptimizerConfig) -> None:
     for i, rule in enumerate(o.param_groups):  # each rule checked its own values (`ParamGroupRule`)
-        if rule.wd_mult is not None and o.name != OptimizerName.ADAMW:
+        if rule.wd_mult is not None and o.name not in (OptimizerName.ADAMW, OptimizerName.MUON):
             key = f"optimizer.param_groups[{i}]"
-            raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw has)")
+            raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw and muon have)")
 
 
 def _check_moe(m: ModelConfig, mesh: MeshConfig) -> None:
@@ -187,6 +205,7 @@ def validate(cfg: Config) -> None:
         if not isinstance(section, (ZeroConfig, MeshConfig)):  # the library's sections checked themselves
             _check_finite(f.name, section)
     _check_optimizer(o)
+    _check_muon(cfg)
     _check_precision(cfg.precision)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)

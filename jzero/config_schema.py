@@ -36,6 +36,22 @@ class OptimizerName(str, enum.Enum):
     ADAMW = "adamw"
     ADAM = "adam"
     SGD = "sgd"
+    MUON = "muon"  # Megatron's Muon for the matrices, AdamW for the rest (`optimizer.muon`)
+
+
+class NewtonSchulzDType(str, enum.Enum):
+    """Megatron's `--muon-fp32-matmul-prec`: the dtype of Muon's Newton-Schulz GEMMs."""
+
+    BFLOAT16 = "bfloat16"  # medium (its default)
+    FLOAT32 = "float32"  # high
+
+
+class MuonScaleMode(str, enum.Enum):
+    """Megatron's `--muon-scale-mode`: the update's scale for a [out, in] matrix (`jzero.zero.common.muon`)."""
+
+    SPECTRAL = "spectral"  # sqrt(max(out, in))
+    SHAPE_SCALING = "shape_scaling"  # sqrt(max(1, out / in))
+    UNIT_RMS_NORM = "unit_rms_norm"  # sqrt(out / in)
 
 
 class DataKind(str, enum.Enum):
@@ -170,18 +186,33 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """`optimizer.name: muon`'s own keys, Megatron-LM's `--muon-*` flags and their defaults; the params
+    it leaves to AdamW (embeddings, output head, biases, norm scales, kernels of more than 2 dims per
+    layer) use `optimizer.b1, b2, eps`, and both sides `optimizer.weight_decay` (docs/megatron.md, "Muon")."""
+
+    momentum: float = 0.9  # --muon-momentum
+    nesterov: bool = False  # --muon-use-nesterov
+    ns_steps: int = 5  # --muon-num-ns-steps: Newton-Schulz iterations
+    ns_dtype: NewtonSchulzDType = NewtonSchulzDType.BFLOAT16  # --muon-fp32-matmul-prec medium; float32: high
+    scale_mode: MuonScaleMode = MuonScaleMode.SPECTRAL  # --muon-scale-mode; jzero's GPT kernels are [in, out]
+    extra_scale_factor: float = 1.0  # --muon-extra-scale-factor
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.ADAMW
     lr: float = 3e-3  # peak learning rate
-    b1: float = 0.9  # Adam beta1; SGD momentum (0 = plain SGD)
+    b1: float = 0.9  # Adam beta1 (muon: its AdamW side's); SGD momentum (0 = plain SGD)
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # AdamW only; see weight_decay_1d
+    weight_decay: float = 0.1  # AdamW and Muon only; see weight_decay_1d
     weight_decay_1d: bool = False  # also decay biases and 1-D params (norm scales); Megatron does not
     param_groups: tuple[ParamGroupRule, ...] = ()  # per-name lr/wd multipliers, applied in order
     clip_grad: float | None = 1.0  # global-norm clipping over all shards; None = off
     warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
     moments_dtype: MomentsDType = MomentsDType.FLOAT32  # moments stored in it, math in fp32 (Megatron's exp_avg_dtype)
+    muon: MuonConfig = MuonConfig()  # name muon only
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """The config's `optimizer:` and `precision:` sections as what `build_zero` takes: the learning-rate
-schedule, the element-wise optax chain, Megatron's param groups and fp16's dynamic loss scaling."""
+schedule, the optax chain (element-wise, or Megatron's Muon), Megatron's param groups and fp16's
+dynamic loss scaling."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -27,16 +29,19 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     )
 
 
-def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The element-wise optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
+def inner_optimizer(cfg: Config, model: Model | None = None) -> optax.GradientTransformation:
+    """The optax chain the ZeRO wrapper shards (clipping lives in the wrapper).
 
     optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
-    weight decay reads each param's `wd_mult`, a last step its `lr_mult`; with
+    weight decay reads each param's `wd_mult`, a last step its `lr_mult`; or Megatron's Muon
+    (`groups.muon`, which reads both itself; `model` gives its params' stacked layer dims). With
     `optimizer.moments_dtype: bfloat16` its state is stored in bf16 (`zero.moments`).
     """
     o, lr = cfg.optimizer, lr_schedule(cfg)
     if o.name == OptimizerName.ADAMW:
         chain = groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    elif o.name == OptimizerName.MUON:
+        chain = muon(cfg, lr, model)
     else:
         if o.name == OptimizerName.SGD:
             direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
@@ -48,6 +53,30 @@ def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
     return store_state_in(chain, jnp.dtype(o.moments_dtype.value))
 
 
+def muon(cfg: Config, lr: optax.Schedule, model: Model | None) -> optax.GradientTransformation:
+    """`groups.muon` with `optimizer`'s keys; Newton-Schulz runs per layer of a stacked [L, ...] param and
+    per expert of an [E, ...] one (the dims `model.layer_ndims` leaves out)."""
+    o, m = cfg.optimizer, cfg.optimizer.muon
+    layer_dims = None
+    if model is not None:
+        abstract = model.abstract_params()
+        layer_dims = jax.tree.map(lambda p, n: len(p.shape) - n, abstract, model.layer_ndims(abstract))
+    return groups.muon(
+        lr,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        momentum=m.momentum,
+        nesterov=m.nesterov,
+        ns_steps=m.ns_steps,
+        ns_dtype=jnp.dtype(m.ns_dtype.value),
+        scale_mode=m.scale_mode.value,
+        extra_scale_factor=m.extra_scale_factor,
+        layer_dims=layer_dims,
+    )
+
+
 def loss_scaling(cfg: Config) -> DynamicLossScale | None:
     """Megatron's dynamic loss scaling for float16 params (`precision.*loss_scale*`), else None."""
     return loss_scale(cfg.precision) if cfg.precision.param_dtype == DType.FLOAT16 else None
@@ -57,7 +86,7 @@ def param_groups(cfg: Config, model: Model, abstract_params) -> Any:
     """Megatron's param groups for the model: no weight decay for biases and 1-D params (unless
     `optimizer.weight_decay_1d`), then `optimizer.param_groups`; None if they change nothing."""
     o = cfg.optimizer
-    has_decay = o.name == OptimizerName.ADAMW
+    has_decay = o.name in (OptimizerName.ADAMW, OptimizerName.MUON)
     resolved = groups.param_groups(
         abstract_params,
         weight_decay_1d=o.weight_decay_1d or not has_decay,

@@ -91,7 +91,7 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
     abstract = model.abstract_params()
     zero = build_zero(
         training_loss(model),
-        inner_optimizer(cfg),
+        inner_optimizer(cfg, model),
         mesh,
         abstract,
         model.tp_specs(abstract),

@@ -1,6 +1,7 @@
 """Config loading, one-line config errors, and `jzero train` end to end."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,11 @@ def test_overrides_are_typed():
         (["optimizer.param_groups=[{lr_mult: 2}]"], "optimizer.param_groups[0].pattern is required"),
         (["optimizer.param_groups=[{pattern: a, lr_mult: -1}]"], "optimizer.param_groups[0].lr_mult=-1.0 must be >= 0"),
         (["optimizer.name=sgd", "optimizer.param_groups=[{pattern: a, wd_mult: 0}]"], "sgd has no weight decay"),
+        (["optimizer.muon.scale_mode=rms"], "optimizer.muon.scale_mode='rms' is not one of"),
+        (["optimizer.muon.steps=5"], "unknown config key optimizer.muon.steps"),
+        (["optimizer.name=muon", "optimizer.muon.ns_steps=0"], "optimizer.muon.ns_steps=0 must be positive"),
+        (["optimizer.name=muon", "optimizer.muon.momentum=1"], "optimizer.muon.momentum=1.0 must be in [0, 1)"),
+        (["optimizer.name=muon", "zero.path=flat"], "optimizer.name=muon cannot run on zero.path=flat"),
         (["model.moe.num_experts=6", "mesh.ep=4"], "model.moe.num_experts=6 must be divisible by mesh.ep=4"),
         (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must be in [1, model.moe.num_experts=4]"),
         (["model.moe.num_experts=4", "model.moe.capacity_factor=nan"], "model.moe.capacity_factor=nan must be"),
@@ -98,6 +104,16 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "per-device memory" in out and "Megatron formula" in out
     assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
+
+
+def test_muon_trains(tmp_path):
+    """`optimizer.name: muon` (Megatron's Muon for the matrices, AdamW for the rest) trains the tiny GPT."""
+    argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=6", "--set", "data.kind=synthetic"]
+    argv += ["--set", "optimizer.name=muon", "--set", "optimizer.lr=1e-2", "--set", "optimizer.warmup_steps=0"]
+    assert main(argv + TINY) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.1, losses
 
 
 @pytest.mark.slow

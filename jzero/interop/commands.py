@@ -59,8 +59,10 @@ def add_parsers(ckpt_sub, with_config) -> None:
 def _check_megatron_gpt(cfg: Config) -> None:
     if cfg.model.moe.num_experts:
         raise ConfigError("model.moe: Megatron checkpoints move to and from dense GPTs only")
-    if cfg.optimizer.name == OptimizerName.SGD:
-        raise ConfigError("optimizer.name=sgd: a Megatron distributed-optimizer checkpoint holds Adam's state")
+    if cfg.optimizer.name in (OptimizerName.SGD, OptimizerName.MUON):
+        raise ConfigError(
+            f"optimizer.name={cfg.optimizer.name.value}: a Megatron distributed-optimizer checkpoint holds Adam's state"
+        )
 
 
 def _setup(args, bucket_size: int | None):

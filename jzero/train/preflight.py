@@ -56,7 +56,8 @@ def check_floor(cfg, devices: list) -> None:
         n = resolve_mesh(cfg, len(devices)).n_devices
         param_b = jnp.dtype(cfg.precision.param_dtype.value).itemsize
         o = cfg.optimizer
-        moments = {OptimizerName.SGD: 1 if o.b1 > 0 else 0}.get(o.name, 2)
+        # Muon keeps one moment per matrix (AdamW's two on the rest): one per param is the floor
+        moments = {OptimizerName.SGD: 1 if o.b1 > 0 else 0, OptimizerName.MUON: 1}.get(o.name, 2)
         device_b = param_b + jnp.dtype(cfg.precision.grad_reduce_dtype.value).itemsize
         optimizer_b = (4 if param_b != 4 else 0) + moments * (2 if o.moments_dtype == MomentsDType.BFLOAT16 else 4)
         offload = cfg.zero.offload_fraction  # its share of the optimizer state is in host memory

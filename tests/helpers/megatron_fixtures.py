@@ -95,17 +95,25 @@ def loss_fn(p, batch):
 
 
 def build(
-    variant: str, strategy: str = "optim", path: str = "flat", dp: int = 4, registration_order=False, dtype=jnp.float32
+    variant: str | None,
+    strategy: str = "optim",
+    path: str = "flat",
+    dp: int = 4,
+    registration_order=False,
+    dtype=jnp.float32,
+    tx=None,
 ) -> Zero:
-    """The fixtures' run in jzero: AdamW with Megatron's param groups and clipping, on `dp` devices.
+    """The fixtures' run in jzero: AdamW (or `tx`) with Megatron's param groups and clipping, on `dp` devices.
 
     Params shaped like NAMES (jzero's leaves order is not Megatron's), or with `registration_order` a
-    list in Megatron's order: jzero's flat buffer is then laid out exactly as Megatron's."""
+    list in Megatron's order: jzero's flat buffer is then laid out exactly as Megatron's. `variant`
+    picks the bucket size (None: one bucket)."""
     params = [inputs()[f"init/{n}"] for n in ORDER] if registration_order else init_params()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
     mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
-    tx = groups.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY)
-    config = ZeroConfig(ShardingStrategy(strategy), ZeroPath(path), bucket_size=VARIANTS[variant])
+    if tx is None:
+        tx = groups.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY)
+    config = ZeroConfig(ShardingStrategy(strategy), ZeroPath(path), bucket_size=VARIANTS.get(variant))
     specs = jax.tree.map(lambda _: P(), abstract)
     # Megatron's param groups by its names (no decay on biases and 1-D params), whatever the tree
     ndims = [len(x.shape) for x in jax.tree.leaves(abstract)]

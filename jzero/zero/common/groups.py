@@ -10,7 +10,8 @@ optimizer applies them per element of each rank's shard. jzero does the same on 
   the updates it steps (`GroupValues`, the `param_groups` extra argument): one scalar per
   param on the spec path, one vector per bucket shard on the flat path;
 - `add_decayed_weights` and `scale_by_lr_mult` are the element-wise transformations that
-  read them (`adamw` chains them as `optax.adamw` does).
+  read them (`adamw` chains them as `optax.adamw` does); `muon` (Megatron's Muon, `muon.py`)
+  reads them itself.
 
 Any other transformation ignores the extra argument, and `build_zero` refuses param
 groups that the inner transformation would silently ignore.
@@ -99,7 +100,9 @@ def per_param_values(groups: PyTree) -> GroupValues:
     )
 
 
-def _values(extra_args: dict, field: str, updates: PyTree) -> PyTree:
+def multipliers(extra_args: dict, field: str, updates: PyTree) -> PyTree:
+    """The `field` (lr_mult or wd_mult) of the `param_groups` extra argument, laid out like `updates`; 1.0
+    for every leaf without it."""
     values = extra_args.get(EXTRA_ARG)
     if values is None:
         return jax.tree.map(lambda _: 1.0, updates)
@@ -115,7 +118,7 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0) -> optax.Gra
             raise ValueError("add_decayed_weights needs the params: pass them to update")
         _, new_state = base.update(updates, state, params)  # the schedule's step count
         s = weight_decay(state.count) if callable(weight_decay) else weight_decay
-        mult = _values(extra_args, "wd_mult", updates)
+        mult = multipliers(extra_args, "wd_mult", updates)
         return jax.tree.map(lambda g, p, m: g + s * m * p, updates, params, mult), new_state
 
     return optax.GradientTransformationExtraArgs(base.init, update)
@@ -126,7 +129,7 @@ def scale_by_lr_mult() -> optax.GradientTransformationExtraArgs:
 
     def update(updates, state, params=None, **extra_args):
         del params
-        mult = _values(extra_args, "lr_mult", updates)
+        mult = multipliers(extra_args, "lr_mult", updates)
         return jax.tree.map(lambda u, m: u * m, updates, mult), state
 
     return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
@@ -149,3 +152,12 @@ def adamw(
         optax.scale_by_learning_rate(learning_rate),
         scale_by_lr_mult(),
     )
+
+
+def __getattr__(name: str):
+    """`groups.muon`: Megatron's Muon with param groups lives in `muon.py`, which imports this module."""
+    if name == "muon":
+        from jzero.zero.common.muon import muon
+
+        return muon
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -189,7 +189,8 @@ def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, g
     per_param = None if groups is None else group_leaves(groups)
     what = transformation_name(inner)
     use = (
-        "Use zero.path=spec (any optax transformation), or for per-param weight decay and lr multipliers "
+        "Use zero.path=owned (each param stepped whole by one rank: Muon, Adafactor; docs/owned.md) or "
+        "zero.path=spec (any optax transformation), or for per-param weight decay and lr multipliers "
         "jzero's param groups (jzero.zero.groups)."
     )
     reference = jax.jit(lambda p, g: _run(inner, p, g, values))(params, grads)
