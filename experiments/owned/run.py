@@ -3,8 +3,8 @@
     python experiments/owned/run.py [--dp 8]
 
 On `dp` simulated CPU devices, compiles one training step of each layout with Muon and reads the compiled
-program (`jzero.inspect.hlo.parse_collectives`): the DP wire bytes per device per step (ring accounting)
-in units of the fp32 param bytes P, their ratio to DDP's, the collectives that are not scalars and how many
+program (`jzero.inspect.overlap.read_schedule`, a loop's collectives times its trip count): the DP wire bytes per device per step (ring accounting)
+in units of the fp32 param bytes P, their ratio to DDP's, the collectives per step that are not scalars and how many
 of them are all-reduces (the spec layout's Newton-Schulz on DP-sharded matrices all-reduces inside the
 update), and the fp32 main params + optimizer state per device against total / dp. Two models:
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jzero.inspect.hlo import parse_collectives  # noqa: E402
+from jzero.inspect.overlap import read_schedule  # noqa: E402
 from jzero.mesh import MeshConfig, make_mesh  # noqa: E402
 from jzero.zero import ZeroConfig, build_zero  # noqa: E402
 from jzero.zero.memory import shard_bytes  # noqa: E402
@@ -75,16 +75,16 @@ def measure(m: dict, path: str, strategy: str, dp: int) -> dict:
                       units=m["units"], has_aux=m.get("has_aux", False), clip_grad=1.0)  # fmt: skip
     state = jax.eval_shape(lambda: zero.init_state(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m["params"])))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, zero.shardings)
-    colls = parse_collectives(zero.step.lower(state, m["batch"]).compile().as_text())
+    sched = read_schedule(zero.step.lower(state, m["batch"]).compile().as_text())  # a loop's x its trip count
     p_bytes = 4 * sum(x.size for x in jax.tree.leaves(m["params"]))
-    big = [c for c in colls if c.payload_bytes > 8]
+    big = [o for o in sched.overlaps if o.collective.payload_bytes > 8]
     opt = shard_bytes([x for x in jax.tree.leaves(state.opt_state) if x.ndim])  # scalars left out
     return {
         "path": path, "strategy": strategy,
-        "wire_P": sum(c.wire_bytes for c in colls) / p_bytes,
-        "collectives": len(big),
-        "all_reduces": sum(c.kind == "all-reduce" for c in big),
-        "kinds": sorted({c.kind for c in big}),
+        "wire_P": sum(o.collective.wire_bytes * o.runs for o in sched.overlaps) / p_bytes,
+        "collectives": sum(o.runs for o in big),
+        "all_reduces": sum(o.runs for o in big if o.collective.kind == "all-reduce"),
+        "kinds": sorted({o.collective.kind for o in big}),
         "state_over_total_d": opt / (p_bytes * (opt_factor(m) / 4) / dp),
     }  # fmt: skip
 
