@@ -51,7 +51,7 @@ def test_each_stage_shards_what_megatrons_table_says(strategy, state, grads, par
             {"strategy": "zero4"},
             "zero.strategy='zero4' is not one of: no_shard, optim, optim_grads, optim_grads_params",
         ),
-        ({"path": "tree"}, "zero.path='tree' is not one of: spec, flat"),
+        ({"path": "tree"}, "zero.path='tree' is not one of: spec, flat, owned"),
         ({"outer_strategy": "optim_grads"}, "zero.outer_strategy='optim_grads' is not one of: no_shard, optim"),
         (
             {"path": "flat", "param_gather_dtype": "fp4"},

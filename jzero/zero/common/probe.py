@@ -254,7 +254,9 @@ def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, g
             )
 
 
-def check_per_tensor(inner: optax.GradientTransformation, plan: ShardingPlan, owned, groups: PyTree | None = None) -> None:
+def check_per_tensor(
+    inner: optax.GradientTransformation, plan: ShardingPlan, owned, groups: PyTree | None = None
+) -> None:
     """Raises ConfigError unless `inner` steps each param alone (each layer of a stacked one, where the owned
     layout owns it by layer: `owned.stacked`) as it steps it among all the params.
 

@@ -6,9 +6,10 @@ is owned whole by one rank of its DP domain (`plan.py`: who owns what, and where
 and the step moves DDP's bytes:
 
     grads: each rank's local grads (the spec layout's backward, `spec/grads.run_phase`) packed into
-           `[d, S]` by owner and reduce-scattered over the domain (ZeRO-1: once, after the last
-           micro-batch; ZeRO-2: every micro-batch, into the `[S]` accumulator); under HSDP then all-reduced
-           across dp_outer. Every rank holds its own segment `[S]` of the reduced grads.
+           `[d, S]` by owner and reduce-scattered over the domain, in parts of `REDUCE_CHUNK` (or
+           `zero.bucket_size` / d) elements per owner (ZeRO-1: once, after the last micro-batch; ZeRO-2:
+           every micro-batch, into the `[S]` accumulator); under HSDP then all-reduced across
+           dp_outer. Every rank holds its own segment `[S]` of the reduced grads.
     -> the global norm and inf/nan flag: scalar psums over the segments (every element counted once)
     -> the inner optax chain as it is, on the rank's pieces whole: the params tree with each piece the
            rank owns (a stacked param: its owned layers, `[k, ...]`) and `optax.MaskedNode()` for the
@@ -61,6 +62,10 @@ from jzero.zero.spec.layout import evaluate_fn
 
 PyTree = Any
 MASKED = optax.MaskedNode()
+# The grads reach their owners in parts of at most this many elements per owner (`zero.bucket_size` / d
+# where set): the packed `[d, S]` buffer is never a second whole copy of the local grads (LLaMA-2-7B's
+# would be 25 GiB in fp32); a part is `d x 4M` elements, 128 MiB at d = 8 in fp32.
+REDUCE_CHUNK = 2**22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +103,23 @@ def _segment(owned: OwnedPlan, d: int, owner: int, leaves: list, dtype) -> jax.A
     return jnp.concatenate(parts + [jnp.zeros((pad,), dtype)])
 
 
+def _segment_part(owned: OwnedPlan, d: int, owner: int, leaves: list, dtype, start: int, stop: int) -> jax.Array:
+    """Elements `[start, stop)` of owner `owner`'s segment of domain `d` (`_segment`'s, without the rest)."""
+    parts, at = [], start
+    for p in owned.domains[d].owned(owner):
+        lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
+        if lo < hi:
+            value = leaves[p.leaf] if p.layer is None else leaves[p.leaf][p.layer]
+            parts.append(value.reshape(-1)[lo - p.offset : hi - p.offset].astype(dtype))
+            at = hi
+    return jnp.concatenate(parts + [jnp.zeros((stop - at,), dtype)])
+
+
 def _pack_view(owned: OwnedPlan, branch: int, view: PyTree, dtype) -> list[jax.Array]:
     """Inverse of `_view`: per domain, rank `branch`'s segment `[S]` from its view."""
     leaves = jax.tree.leaves(view, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
     out = []
-    for d, dom in enumerate(owned.domains):
+    for dom in owned.domains:
         pieces = dom.owned(owned.owner(dom, branch))
         parts = [leaves[leaf].reshape(-1).astype(dtype) for leaf in dict.fromkeys(p.leaf for p in pieces)]
         pad = dom.size - sum(p.numel for p in pieces)
@@ -153,7 +170,9 @@ class _State:
         for leaf, shape in enumerate(owned.local_shapes):
             layers = owned.owned_layers(branch, leaf)
             if layers:
-                out[leaf] = jax.ShapeDtypeStruct((len(layers), *shape[1:]) if owned.stacked[leaf] else shape, jnp.float32)
+                out[leaf] = jax.ShapeDtypeStruct(
+                    (len(layers), *shape[1:]) if owned.stacked[leaf] else shape, jnp.float32
+                )
         return jax.tree.unflatten(treedef, out)
 
     def unpack(self, branch: int, rows: dict[str, jax.Array]) -> optax.OptState:
@@ -174,7 +193,13 @@ class _State:
 
 def owned_layout(inputs: LayoutInputs) -> Layout:
     """The owned layout of a run (module docstring): its shardings and traceable programs."""
-    plan, options, config, model_state, inner = inputs.plan, inputs.options, inputs.config, inputs.model_state, inputs.inner
+    plan, options, config, model_state, inner = (
+        inputs.plan,
+        inputs.options,
+        inputs.config,
+        inputs.model_state,
+        inputs.inner,
+    )
     mesh, stage, loss_scale = plan.mesh, plan.stage, options.loss_scale
     owned = make_owned_plan(plan, config.owned_balance)
     check_per_tensor(inner, plan, owned, inputs.groups)
@@ -192,21 +217,30 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
     reduce_dtype = jnp.dtype(options.grad_reduce_dtype)
     gather_dtype = tensors[0].dtype if len({t.dtype for t in tensors}) == 1 else jnp.float32
 
-    def shard_map(fn, in_specs, out_specs):  # check_vma=False: the gathered params are the same on every rank,
-        # which JAX 0.10-0.11's public all_gather does not type (the flat layout's, docs/xla.md "shard_map and check_vma")
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(BATCH_AXES),
-                             check_vma=False)  # fmt: skip
+    def shard_map(fn, in_specs, out_specs):
+        # check_vma=False: the gathered params are the same on every rank, which JAX 0.10-0.11's public
+        # all_gather does not type (as the flat layout's: docs/xla.md, "shard_map and check_vma")
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(BATCH_AXES), check_vma=False
+        )
 
     def branch_index():
         return jax.lax.axis_index(axes)
 
     # --- grads -------------------------------------------------------------------------------------
+    chunk = None if config.bucket_size is None else max(1, config.bucket_size // max(d.d for d in owned.domains))
+
     def rank_to_owners(local):  # this rank's local grads [1, *local] -> per domain its reduced segment [1, S]
         leaves = [x[0] for x in local]
         out = []
         for d, dom in enumerate(owned.domains):
-            buf = jnp.stack([_segment(owned, d, r, leaves, reduce_dtype) for r in range(dom.d)])  # [d, S]
-            seg = jax.lax.psum_scatter(buf, dom.axes, scatter_dimension=0, tiled=True)  # [1, S]
+            step = chunk or -(-dom.size // max(1, -(-dom.size // REDUCE_CHUNK)))
+            segs = []
+            for a in range(0, dom.size, step):  # a [d, step] part of the [d, S] buffer at a time
+                b = min(dom.size, a + step)
+                buf = jnp.stack([_segment_part(owned, d, r, leaves, reduce_dtype, a, b) for r in range(dom.d)])
+                segs.append(jax.lax.psum_scatter(buf, dom.axes, scatter_dimension=0, tiled=True))  # [1, b - a]
+            seg = jnp.concatenate(segs, axis=1)  # [1, S]
             out.append(jax.lax.psum(seg, outer) if outer else seg)
         return tuple(out)
 
@@ -223,13 +257,24 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
 
         def run(phase, params, mb, acc=None):
-            loss, metrics, g, _ = run_phase(loss_metrics, local_plan, options, config, Phase.FIRST, params, mb,
-                                            loss_scale=loss_scale_value, model_state=model_state_value)  # fmt: skip
+            loss, metrics, g, _ = run_phase(
+                loss_metrics,
+                local_plan,
+                options,
+                config,
+                Phase.FIRST,
+                params,
+                mb,
+                loss_scale=loss_scale_value,
+                model_state=model_state_value,
+            )
             return loss, metrics, to_owners(g) if stage.shards_grads else g, None
 
         def zeros():
-            return tuple(jax.lax.with_sharding_constraint(jnp.zeros((n, dom.size), reduce_dtype), row_sh)
-                         for dom in owned.domains)  # fmt: skip
+            return tuple(
+                jax.lax.with_sharding_constraint(jnp.zeros((n, dom.size), reduce_dtype), row_sh)
+                for dom in owned.domains
+            )
 
         losses, (metrics, stats), g = run_schedule(run, params, mbs, stage, zeros, to_owners)
         stats = jax.tree.map(lambda x: jnp.sum(x.reshape(-1, *x.shape[2:]), axis=0), stats)
@@ -238,7 +283,9 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
     # --- the optimizer step ------------------------------------------------------------------------
     def branch_step(b, leaves, segs, mains, state_rows):
         if not keep_main:  # the fp32 params are the main params: this rank's own pieces of them
-            mains = [_segment(owned, d, owned.owner(dom, b), leaves, jnp.float32) for d, dom in enumerate(owned.domains)]
+            mains = [
+                _segment(owned, d, owned.owner(dom, b), leaves, jnp.float32) for d, dom in enumerate(owned.domains)
+            ]
         main_view = _view(owned, b, mains, treedef)
         grad_view = _view(owned, b, segs, treedef)
         group_view = None
@@ -264,12 +311,14 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
             segs = [s * coeff for s in segs]
         branches = [functools.partial(branch_step, b) for b in range(n)]
         new_main, new_rows = jax.lax.switch(branch_index(), branches, leaves, segs, mains, state_rows)
-        gathered = [jax.lax.all_gather(m.astype(gather_dtype), dom.axes, tiled=False)
-                    for m, dom in zip(new_main, owned.domains)]  # fmt: skip
+        gathered = [
+            jax.lax.all_gather(m.astype(gather_dtype), dom.axes, tiled=False) for m, dom in zip(new_main, owned.domains)
+        ]
         new_leaves = [x.astype(t.dtype) for x, t in zip(_unpack(owned, gathered, n_leaves), tensors)]
         old = ZeroState(opt_state.main_params, opt_state.inner_state, opt_state.grad_scaler)
-        new_state = ZeroState(tuple(m[None] for m in new_main) if keep_main else None,
-                              {k: v[None] for k, v in new_rows.items()})  # fmt: skip
+        new_state = ZeroState(
+            tuple(m[None] for m in new_main) if keep_main else None, {k: v[None] for k, v in new_rows.items()}
+        )
         update = Update(None, None, norm, skip)
         new_params, new_state, metrics = finish(loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state)
         return new_params, new_state, metrics
@@ -280,9 +329,10 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         None if loss_scale is None else scaler.LossScaleState(*[P()] * len(scaler.LossScaleState._fields)),
     )
     update_fn = shard_map(
-        rank_update, (tuple(param_specs), tuple(rows for _ in owned.domains), opt_specs),
+        rank_update,
+        (tuple(param_specs), tuple(rows for _ in owned.domains), opt_specs),
         (tuple(param_specs), opt_specs, P()),
-    )  # fmt: skip
+    )
 
     def update(params, opt_state, g):
         new_params, new_state, metrics = update_fn(tuple(jax.tree.leaves(params)), g, opt_state)
@@ -299,11 +349,15 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         mains, inner_rows = jax.lax.switch(branch_index(), [functools.partial(branch, b) for b in range(n)], leaves)
         return tuple(m[None] for m in mains), {k: v[None] for k, v in inner_rows.items()}
 
-    init_fn = shard_map(rank_init, (tuple(param_specs),), (tuple(rows for _ in owned.domains), {k: rows for k in state.sizes}))
+    init_fn = shard_map(
+        rank_init, (tuple(param_specs),), (tuple(rows for _ in owned.domains), {k: rows for k in state.sizes})
+    )
 
     def init_opt(params):
         mains, inner_rows = init_fn(tuple(jax.tree.leaves(params)))
-        return ZeroState(mains if keep_main else None, inner_rows, None if loss_scale is None else scaler.init(loss_scale))
+        return ZeroState(
+            mains if keep_main else None, inner_rows, None if loss_scale is None else scaler.init(loss_scale)
+        )
 
     opt_shardings = ZeroState(
         tuple(row_sh for _ in owned.domains) if keep_main else None,
@@ -311,16 +365,29 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         None if loss_scale is None else scaler.shardings(mesh),
     )
     shardings = TrainState(
-        jax.tree.map(lambda t: NamedSharding(mesh, t.tp_spec), plan.tensors), opt_shardings, replicated,
+        jax.tree.map(lambda t: NamedSharding(mesh, t.tp_spec), plan.tensors),
+        opt_shardings,
+        replicated,
         model_state_shardings(model_state, replicated),
-    )  # fmt: skip
-    offload = make_offload(0.0, [], [], lambda _: state_mask(opt_shardings, jax.tree.map(lambda _: False, opt_shardings.main_params), jax.tree.map(lambda _: False, opt_shardings.inner_state)), lambda u: ())
+    )
+    offload = make_offload(
+        0.0,
+        [],
+        [],
+        lambda _: state_mask(
+            opt_shardings,
+            jax.tree.map(lambda _: False, opt_shardings.main_params),
+            jax.tree.map(lambda _: False, opt_shardings.inner_state),
+        ),
+        lambda u: (),
+    )
 
     def grad_buffer(dtype) -> PyTree:
         if stage.shards_grads:
             return tuple(jax.ShapeDtypeStruct((n, dom.size), dtype, sharding=row_sh) for dom in owned.domains)
-        return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, dtype, sharding=NamedSharding(mesh, t.tp_spec)),
-                            plan.tensors)  # fmt: skip
+        return jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct(t.shape, dtype, sharding=NamedSharding(mesh, t.tp_spec)), plan.tensors
+        )
 
     convert = _ModelSpace(owned, state, inner, plan, treedef, keep_main)
     return Layout(
@@ -344,7 +411,14 @@ class _ModelSpace:
     the ranks that own it, every ep rank's slice of an expert param from its own row."""
 
     def __init__(self, owned: OwnedPlan, state: _State, inner, plan, treedef, keep_main: bool):
-        self.owned, self.state, self.inner, self.plan, self.treedef, self.keep_main = owned, state, inner, plan, treedef, keep_main
+        self.owned, self.state, self.inner, self.plan, self.treedef, self.keep_main = (
+            owned,
+            state,
+            inner,
+            plan,
+            treedef,
+            keep_main,
+        )
         self.tensors = jax.tree.leaves(plan.tensors)
         self.ep = plan.mesh.shape["ep"]
         abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
@@ -352,7 +426,9 @@ class _ModelSpace:
 
     def _ep_dim(self, leaf: int) -> int | None:
         spec = tuple(self.tensors[leaf].tp_spec)
-        return next((i for i, e in enumerate(spec) if e is not None and "ep" in (e if isinstance(e, tuple) else (e,))), None)
+        return next(
+            (i for i, e in enumerate(spec) if e is not None and "ep" in (e if isinstance(e, tuple) else (e,))), None
+        )
 
     def _ranks_of(self, leaf: int) -> list[tuple[int, int, list]]:
         """(branch, ep index, owned layers) of every rank holding part of `leaf` (each ep slice once)."""
@@ -402,11 +478,20 @@ class _ModelSpace:
         owned, n_leaves = self.owned, len(self.tensors)
         main = None
         if self.keep_main:
-            per_branch = {b: jax.tree.leaves(_view(owned, b, [m[b] for m in opt_state.main_params], self.treedef),
-                                             is_leaf=lambda x: isinstance(x, optax.MaskedNode)) for b in range(owned.ranks)}  # fmt: skip
-            main = jax.tree.unflatten(self.treedef, [
-                self._assemble(i, {b: per_branch[b][i] for b, _, _ in self._ranks_of(i)}, self.tensors[i].shape)
-                for i in range(n_leaves)])  # fmt: skip
+            per_branch = {
+                b: jax.tree.leaves(
+                    _view(owned, b, [m[b] for m in opt_state.main_params], self.treedef),
+                    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+                )
+                for b in range(owned.ranks)
+            }
+            main = jax.tree.unflatten(
+                self.treedef,
+                [
+                    self._assemble(i, {b: per_branch[b][i] for b, _, _ in self._ranks_of(i)}, self.tensors[i].shape)
+                    for i in range(n_leaves)
+                ],
+            )
         states = [self.state.unpack(b, {k: v[b] for k, v in opt_state.inner_state.items()}) for b in range(owned.ranks)]
         by_path = [dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(s)[0]) for s in states]
 
@@ -426,15 +511,27 @@ class _ModelSpace:
         if self.keep_main:
             leaves = jax.tree.leaves(opt_state.main_params)
             mains = tuple(
-                jnp.stack([_segment(owned, d, owned.owner(dom, b), [self._local(i, x, b) for i, x in enumerate(leaves)],
-                                    jnp.float32) for b in range(owned.ranks)])
+                jnp.stack(
+                    [
+                        _segment(
+                            owned,
+                            d,
+                            owned.owner(dom, b),
+                            [self._local(i, x, b) for i, x in enumerate(leaves)],
+                            jnp.float32,
+                        )
+                        for b in range(owned.ranks)
+                    ]
+                )
                 for d, dom in enumerate(owned.domains)
-            )  # fmt: skip
+            )
         model = dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(opt_state.inner_state)[0])
         rows: dict[str, list] = {k: [] for k in self.state.sizes}
         for b in range(owned.ranks):
             layout = self.state.layouts[b]
-            abstract = jax.tree.unflatten(layout.treedef, [jax.ShapeDtypeStruct(s, name) for name, _, s in layout.leaves])
+            abstract = jax.tree.unflatten(
+                layout.treedef, [jax.ShapeDtypeStruct(s, name) for name, _, s in layout.leaves]
+            )
 
             def leaf(path, like, b=b):
                 path = tuple(path)

@@ -182,7 +182,9 @@ def describe(owned: OwnedPlan, names: list[str]) -> list[str]:
     """Lines for `jzero layout`: per domain and owner, its elements and the pieces it owns."""
     lines = []
     for dom in owned.domains:
-        lines.append(f"domain {'x'.join(dom.axes)} ({dom.d} owners, segment {dom.size} elements, {owned.balance.value})")
+        lines.append(
+            f"domain {'x'.join(dom.axes)} ({dom.d} owners, segment {dom.size} elements, {owned.balance.value})"
+        )
         for r, load in enumerate(dom.loads()):
             what = ", ".join(names[p.leaf] + ("" if p.layer is None else f"[{p.layer}]") for p in dom.owned(r))
             lines.append(f"  rank {r}: {load} elements: {what or '(nothing)'}")

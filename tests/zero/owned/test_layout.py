@@ -45,9 +45,15 @@ def _train(zero, batches):
 
 @pytest.mark.parametrize(
     "inner, dp, strategy, microbatches",
-    [("muon", 4, "optim_grads", 2), ("adamw", 2, "optim", 1), ("adafactor", 8, "optim_grads", 1),
-     ("muon", 8, "optim", 2), ("adamw", 4, "optim_grads", 2), ("adafactor", 2, "optim", 2)],
-)  # fmt: skip
+    [
+        ("muon", 4, "optim_grads", 2),
+        ("adamw", 2, "optim", 1),
+        ("adafactor", 8, "optim_grads", 1),
+        ("muon", 8, "optim", 2),
+        ("adamw", 4, "optim_grads", 2),
+        ("adafactor", 2, "optim", 2),
+    ],
+)
 @pytest.mark.matrix
 def test_matches_plain_optax(inner, dp, strategy, microbatches):
     batches = [pytree.batch(seed) for seed in range(STEPS)]
@@ -58,13 +64,25 @@ def test_matches_plain_optax(inner, dp, strategy, microbatches):
         np.testing.assert_allclose(state.params[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
+def test_reduce_in_parts_is_the_same_step():
+    """The grads reach their owners in parts of `zero.bucket_size` / d elements per owner: the same numbers."""
+    batches = [pytree.batch(seed) for seed in range(2)]
+    states = [
+        _train(pytree.build("optim_grads", "owned", dp=4, microbatches=2, zero=zero), batches)[0]
+        for zero in ({}, {"bucket_size": 28})
+    ]
+    for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bf16_params_match_the_spec_layout():
     """bf16 params, fp32 main params per owner: the same step as the spec layout's ZeRO-2, to fp32 rounding."""
     batches = [pytree.batch(seed) for seed in range(STEPS)]
     runs = {}
     for path in ("spec", "owned"):
-        zero = pytree.build("optim_grads", path, dp=4, inner=optax.adamw(1e-2, weight_decay=0.1), dtype=jnp.bfloat16,
-                            clip_grad=1.0)  # fmt: skip
+        zero = pytree.build(
+            "optim_grads", path, dp=4, inner=optax.adamw(1e-2, weight_decay=0.1), dtype=jnp.bfloat16, clip_grad=1.0
+        )
         state = zero.init_state(lambda: pytree.init_params(dtype=jnp.bfloat16))
         for b in batches:
             state, metrics = zero.step(state, b)
@@ -80,7 +98,9 @@ def test_loss_scaling_skips_as_the_spec_layout():
     batches = [pytree.batch(seed) for seed in range(3)]
     out = {}
     for path in ("spec", "owned"):
-        zero = pytree.build("optim", path, dp=2, dtype=jnp.float16, loss_scale=DynamicLossScale(initial_loss_scale=2.0**20))
+        zero = pytree.build(
+            "optim", path, dp=2, dtype=jnp.float16, loss_scale=DynamicLossScale(initial_loss_scale=2.0**20)
+        )
         state = zero.init_state(lambda: pytree.init_params(dtype=jnp.float16))
         skipped = []
         for b in batches:
@@ -117,8 +137,13 @@ def test_model_space_round_trip_and_resume_onto_spec():
 def _residual(blocks=8, d=64, f=256):
     """The issue's model, scaled: residual blocks of [d, f] and [f, d] matrices."""
     keys = jax.random.split(jax.random.key(0), 2 * blocks)
-    params = {f"block{i}": {"w1": 0.05 * jax.random.normal(keys[2 * i], (d, f)),
-                            "w2": 0.05 * jax.random.normal(keys[2 * i + 1], (f, d))} for i in range(blocks)}  # fmt: skip
+    params = {
+        f"block{i}": {
+            "w1": 0.05 * jax.random.normal(keys[2 * i], (d, f)),
+            "w2": 0.05 * jax.random.normal(keys[2 * i + 1], (f, d)),
+        }
+        for i in range(blocks)
+    }
 
     def loss(params, batch):
         h = batch["x"]
@@ -133,8 +158,14 @@ def _residual(blocks=8, d=64, f=256):
 def _wire(strategy, path, inner, dp=8):
     params, loss, batch = _residual()
     mesh = make_mesh(MeshConfig(dp=dp), jax.devices()[:dp])
-    zero = build_zero(loss, inner, mesh, jax.eval_shape(lambda: params), jax.tree.map(lambda _: P(), params),
-                      ZeroConfig(strategy, path, overlap_grad_reduce=False))  # fmt: skip
+    zero = build_zero(
+        loss,
+        inner,
+        mesh,
+        jax.eval_shape(lambda: params),
+        jax.tree.map(lambda _: P(), params),
+        ZeroConfig(strategy, path, overlap_grad_reduce=False),
+    )
     state = jax.eval_shape(lambda: zero.init_state(lambda: params))
     text = zero.step.lower(state, batch).compile().as_text()
     return parse_collectives(text), sum(x.size for x in jax.tree.leaves(params)) * 4
@@ -157,9 +188,14 @@ def test_refuses_a_chain_that_couples_params():
         pytree.build("optim", "owned", dp=2, inner=optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2)))
 
 
-@pytest.mark.parametrize("zero, match", [({"strategy": "optim_grads_params"}, "optim or optim_grads"),
-                                         ({"strategy": "no_shard"}, "optim or optim_grads"),
-                                         ({"offload_fraction": 0.5}, "offload_fraction=0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "zero, match",
+    [
+        ({"strategy": "optim_grads_params"}, "optim or optim_grads"),
+        ({"strategy": "no_shard"}, "optim or optim_grads"),
+        ({"offload_fraction": 0.5}, "offload_fraction=0"),
+    ],
+)
 def test_refuses_what_it_cannot_run(zero, match):
     with pytest.raises(ConfigError, match=match):
         ZeroConfig(**{"path": "owned", **zero})
@@ -174,9 +210,13 @@ def test_layout_is_registered():
 
 @pytest.mark.parametrize(
     "strategy, mesh, microbatches, model",
-    [("optim", (8, 1, 1), 1, {}), ("optim_grads", (4, 1, 1), 2, {}), ("optim_grads", (4, 2, 1), 1, {"moe": MOE}),
-     ("optim", (2, 2, 1), 2, {"moe": MOE})],
-)  # fmt: skip
+    [
+        ("optim", (8, 1, 1), 1, {}),
+        ("optim_grads", (4, 1, 1), 2, {}),
+        ("optim_grads", (4, 2, 1), 1, {"moe": MOE}),
+        ("optim", (2, 2, 1), 2, {"moe": MOE}),
+    ],
+)
 @pytest.mark.slow
 def test_gpt_matches_single_device_optax(strategy, mesh, microbatches, model):
     """jzero's scanned GPT (its blocks owned by layer) and its MoE (experts over the expert-DP domain)."""
@@ -199,4 +239,6 @@ def test_orbax_checkpoint_moves_between_owned_and_spec(tmp_path):
     whole = train_and_save(tmp_path / "owned", owned)
     restore_matches(tmp_path / "owned", whole, spec, train=True)
     whole = train_and_save(tmp_path / "spec", spec)
-    restore_matches(tmp_path / "spec", whole, dataclasses.replace(owned, zero=ZeroConfig("optim_grads", "owned")), train=True)
+    restore_matches(
+        tmp_path / "spec", whole, dataclasses.replace(owned, zero=ZeroConfig("optim_grads", "owned")), train=True
+    )

@@ -41,8 +41,11 @@ def test_megatron_balance_reproduces_megatron_ownership():
 
 @pytest.mark.parametrize("dp", [2, 3, 8])
 def test_elements_balance_owns_every_layer_once(dp):
-    abstract = {"blocks": jax.ShapeDtypeStruct((6, 8, 4), jnp.float32), "emb": jax.ShapeDtypeStruct((20, 4), jnp.float32),
-                "norm": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    abstract = {
+        "blocks": jax.ShapeDtypeStruct((6, 8, 4), jnp.float32),
+        "emb": jax.ShapeDtypeStruct((20, 4), jnp.float32),
+        "norm": jax.ShapeDtypeStruct((4,), jnp.float32),
+    }
     plan = _plan(abstract, dp, units={"blocks": 1, "emb": None, "norm": None})
     owned = make_owned_plan(plan)
     (dom,) = owned.domains
