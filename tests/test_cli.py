@@ -106,14 +106,24 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
 
 
-def test_muon_trains(tmp_path):
-    """`optimizer.name: muon` (Megatron's Muon for the matrices, AdamW for the rest) trains the tiny GPT."""
+@pytest.mark.parametrize("path", ["spec", "owned"])
+def test_muon_trains(tmp_path, path):
+    """`optimizer.name: muon` (Megatron's Muon for the matrices, AdamW for the rest) trains the tiny GPT, on the
+    spec layout and on the owned one (each matrix stepped whole by its owner)."""
     argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=6", "--set", "data.kind=synthetic"]
     argv += ["--set", "optimizer.name=muon", "--set", "optimizer.lr=1e-2", "--set", "optimizer.warmup_steps=0"]
+    argv += ["--set", f"zero.path={path}", "--set", "zero.strategy=optim"]
     assert main(argv + TINY) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_layout_of_the_owned_path_names_every_owner(capsys):
+    """`jzero layout` with zero.path=owned: each rank's elements and the params (or layers) it owns whole."""
+    assert main(["layout", "--set", "zero.path=owned", "--set", "zero.strategy=optim", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("domain dp_outerxdpxep (8 owners") and "rank 7:" in out and "tok_emb" in out
 
 
 @pytest.mark.slow
