@@ -171,6 +171,7 @@ def _wire(strategy, path, inner, dp=8):
     return parse_collectives(text), sum(x.size for x in jax.tree.leaves(params)) * 4
 
 
+@pytest.mark.slow
 def test_wire_bytes_are_ddps_and_the_update_has_no_collective():
     """Muon owned (ZeRO-1): one reduce-scatter and one all-gather of the owners' segments, DDP's bytes
     (the model's 16 matrices dealt 2 per rank: no padding), and every other collective a scalar."""
@@ -259,6 +260,7 @@ def test_memory_formula_counts_the_owners_segments():
     assert f["params"] == per_device_bytes(state.params)
 
 
+@pytest.mark.slow
 def test_hsdp_and_bf16_moments_match_plain_optax():
     """dp_outer 2 x dp 2: each replica owns the whole model, the segments all-reduced across dp_outer; the
     moments stored in bf16 (`store_state_in`) as on the spec layout."""
