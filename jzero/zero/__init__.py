@@ -21,6 +21,7 @@ _PUBLIC = {
     "ShardingStrategy": "jzero.zero.config",
     "OuterStrategy": "jzero.zero.config",
     "ZeroPath": "jzero.zero.config",
+    "OwnedBalance": "jzero.zero.config",
     "ParamGatherDType": "jzero.zero.config",
     "DynamicLossScale": "jzero.zero.config",
     "ParamGroupRule": "jzero.zero.config",

@@ -42,6 +42,13 @@ class ZeroPath(str, enum.Enum):
     OWNED = "owned"  # whole-tensor ownership: each param (or layer) stepped whole by one rank (Muon, Adafactor)
 
 
+class OwnedBalance(str, enum.Enum):
+    """How the owned path deals whole params (or layers) to the owners of their DP domain (`owned/plan.py`)."""
+
+    ELEMENTS = "elements"  # largest first, each to the owner holding the fewest elements so far
+    MEGATRON = "megatron"  # Megatron-Core 0.16.1's ping-pong by size (its LayerWiseDistributedOptimizer)
+
+
 class ParamGatherDType(str, enum.Enum):
     """The flat path's param all-gather in one byte per element (ZeRO++ qwZ, Megatron's fp8_param_gather):
     each rank quantizes its updated shard blockwise, scales absmax/127 or absmax/448 (`flat/quantize.py`)."""
@@ -88,10 +95,15 @@ class ZeroConfig:
     overlap_param_gather: bool | None = None
     # Owned path: how whole params (or layers) are dealt to their owners (`owned/plan.OwnedBalance`):
     # "elements" (largest first to the least-loaded rank) or "megatron" (Megatron-Core 0.16.1's ping-pong).
-    owned_balance: str = "elements"
+    owned_balance: OwnedBalance = OwnedBalance.ELEMENTS
 
     def __post_init__(self):
-        for key, cls in (("strategy", ShardingStrategy), ("path", ZeroPath), ("outer_strategy", OuterStrategy)):
+        for key, cls in (
+            ("strategy", ShardingStrategy),
+            ("path", ZeroPath),
+            ("outer_strategy", OuterStrategy),
+            ("owned_balance", OwnedBalance),
+        ):
             object.__setattr__(self, key, _enum(f"zero.{key}", cls, getattr(self, key)))
         if self.param_gather_dtype is not None:
             dtype = _enum("zero.param_gather_dtype", ParamGatherDType, self.param_gather_dtype)
@@ -108,8 +120,6 @@ class ZeroConfig:
                 )
             if self.strategy == ShardingStrategy.NO_SHARD:
                 raise ConfigError(f"zero.param_gather_dtype={name}: zero.strategy=no_shard gathers no params")
-        if self.owned_balance not in ("elements", "megatron"):
-            raise ConfigError(f"zero.owned_balance={self.owned_balance!r} is not one of: elements, megatron")
         if self.path == ZeroPath.OWNED:
             _check_owned(self)
         if self.overlap_param_gather and not self.overlap_grad_reduce:

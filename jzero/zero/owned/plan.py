@@ -23,7 +23,6 @@ Both are deterministic; a rank that owns nothing holds an all-padding segment an
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
@@ -32,15 +31,9 @@ import jax
 from jzero.errors import ConfigError
 from jzero.mesh import axes_size, entry_axes, spec_axes
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan
+from jzero.zero.config import OwnedBalance
 
 PyTree = Any
-
-
-class OwnedBalance(str, enum.Enum):
-    """How pieces are dealt to the owners of their domain (module docstring)."""
-
-    ELEMENTS = "elements"
-    MEGATRON = "megatron"
 
 
 @dataclasses.dataclass(frozen=True)
