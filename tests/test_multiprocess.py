@@ -78,8 +78,14 @@ def zero2_on(path: str) -> list[str]:
 DDP_HSDP = ["--set", "zero.strategy=no_shard", "--set", "mesh.dp_outer=2", "--set", "mesh.dp=2", "--set", "mesh.tp=2"]
 
 
+# Megatron's Muon on the owned layout, dp 8: the owners of whole params on both processes, the reduce-scatter to
+# them and the all-gather of their segments across the processes.
+OWNED_MUON = ["--set", "zero.strategy=optim", "--set", "zero.path=owned", "--set", "optimizer.name=muon",
+              "--set", "mesh.dp=8"]  # fmt: skip
+
+
 @pytest.mark.parametrize(  # spec ZeRO-2: test_a_checkpoint_moves_from_two_processes_to_one_and_back
-    "sets", [zero2_on("flat"), DDP_HSDP], ids=["zero2-flat", "ddp-hsdp-spec"]
+    "sets", [zero2_on("flat"), DDP_HSDP, OWNED_MUON], ids=["zero2-flat", "ddp-hsdp-spec", "muon-owned"]
 )
 @pytest.mark.slow
 def test_launch_two_processes_train_like_one(sets, tmp_path):
