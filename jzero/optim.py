@@ -55,12 +55,15 @@ def inner_optimizer(cfg: Config, model: Model | None = None) -> optax.GradientTr
 
 def muon(cfg: Config, lr: optax.Schedule, model: Model | None) -> optax.GradientTransformation:
     """`groups.muon` with `optimizer`'s keys; Newton-Schulz runs per layer of a stacked [L, ...] param and
-    per expert of an [E, ...] one (the dims `model.layer_ndims` leaves out)."""
+    per expert of an [E, ...] one (the dims `model.layer_ndims` leaves out), on the matrices the model
+    names (`muon_matrices`, if it has one: jzero's GPT's split QKV and multi-dim kernels)."""
     o, m = cfg.optimizer, cfg.optimizer.muon
-    layer_dims = None
+    layer_dims = matrices = None
     if model is not None:
         abstract = model.abstract_params()
         layer_dims = jax.tree.map(lambda p, n: len(p.shape) - n, abstract, model.layer_ndims(abstract))
+        if hasattr(model, "muon_matrices"):  # a model with fused or multi-dim kernels (jzero's GPT)
+            matrices = model.muon_matrices(abstract)
     return groups.muon(
         lr,
         weight_decay=o.weight_decay,
@@ -74,6 +77,7 @@ def muon(cfg: Config, lr: optax.Schedule, model: Model | None) -> optax.Gradient
         scale_mode=m.scale_mode.value,
         extra_scale_factor=m.extra_scale_factor,
         layer_dims=layer_dims,
+        matrices=matrices,
     )
 
 

@@ -11,7 +11,8 @@ state per device against total / dp. Two models:
 
   residual:  8 residual blocks of [512, 2048] and [2048, 512] matrices (16.8M params), optax.contrib.muon
   gpt:       jzero's GPT with its blocks scanned ([L, ...] stacks, owned by layer), 8 layers, d_model 256,
-             Megatron's Muon (`jzero.zero.groups.muon`, Muon on the blocks' matrices, AdamW on the rest)
+             Megatron's Muon (`jzero.zero.groups.muon`: Muon on the blocks' matrices, attention's too, AdamW on
+             the rest)
 
 Writes experiments/owned/result.json and prints a table.
 """
@@ -90,14 +91,15 @@ def gpt():
     )
     model = GPTModel(cfg.model)
     params = model.abstract_params()
-    layer_dims = jax.tree.map(lambda u: u or 0, model.units(params), is_leaf=lambda x: x is None)
+    layer_dims = jax.tree.map(lambda p, n: len(p.shape) - n, params, model.layer_ndims(params))
+    matrices = model.muon_matrices(params)  # Megatron's: attention's split qkv and [H, K, D] proj too
     batch = jax.ShapeDtypeStruct((32, 65), jnp.int32)
     return dict(
         loss=model.loss_and_metrics,
         params=params,
         specs=model.tp_specs(params),
         units=model.units(params),
-        inner=lambda: groups.muon(1e-2, weight_decay=0.1, layer_dims=layer_dims),
+        inner=lambda: groups.muon(1e-2, weight_decay=0.1, layer_dims=layer_dims, matrices=matrices),
         batch=batch,
         has_aux=True,
     )

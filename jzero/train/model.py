@@ -38,6 +38,7 @@ from jzero.model import TokenExchange
 from jzero.train import moe
 from jzero.train.layers import N_STATS, Block, Keys, MoE, is_moe_block, norm, normal
 from jzero.zero.common import units
+from jzero.zero.common.muon import MatrixView
 
 # Megatron's tensor-parallel layout, by param path suffix; everything else is replicated over tp.
 # Specs are right-aligned on the param's shape (the tp dim counted from the end), so the
@@ -219,6 +220,26 @@ class GPTModel:
             return x.ndim - self._stacked(path) - (re.search(EXPERT_PATTERN, _name(path)) is not None)
 
         return jax.tree_util.tree_map_with_path(ndim, params)
+
+    def muon_matrices(self, params) -> dict:
+        """Per param, the matrix (or matrices) Megatron's Muon orthogonalises in each layer and expert
+        (`groups.muon`'s `matrices`), or None (AdamW): the fused qkv [D, R + 2, G, K] split into q, k and v
+        (Megatron's default `--muon-split-qkv`), the attention output [H, K, D] as [H*K, D] (Megatron's
+        `linear_proj`), fc1 [D, (2,) F] as one matrix (swiglu's gate and up, as Megatron's `linear_fc1`),
+        and every other param that is 2-D per layer as itself; the embeddings and head are AdamW by name."""
+        ndims = self.layer_ndims(params)
+
+        def view(path, x, ndim):
+            name, per = _name(path), x.shape[x.ndim - ndim :]
+            if name.endswith("attn/qkv/kernel"):
+                return MatrixView(1, 1, (per[1] - 2, 1, 1))
+            if name.endswith("attn/proj/kernel"):
+                return MatrixView(2)
+            if name.endswith("fc1/kernel"):
+                return MatrixView(1)
+            return MatrixView() if ndim == 2 else None
+
+        return jax.tree_util.tree_map_with_path(view, params, ndims)
 
     def loss_and_metrics(self, params, tokens, tp_axis=None, ep_axis=None):
         """(loss, metrics): metrics is {} for a dense model, else the MoE blocks' means, before their

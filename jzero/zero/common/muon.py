@@ -117,6 +117,24 @@ def scale_factor(shape: tuple[int, ...], scale_mode: str = "spectral", extra_sca
     return SCALE_MODES[scale_mode](shape[-2], shape[-1]) * extra_scale_factor
 
 
+class MatrixView(NamedTuple):
+    """How a param (per layer) is the matrix, or matrices, Megatron orthogonalises.
+
+    rows: its leading per-layer dims that are the matrix's rows (the input side; the rest are its columns):
+      1 for a kernel [D, F], 2 for an attention output [H, K, D] (Megatron's `linear_proj` [D, H*K]).
+    split_axis, split_sizes: a per-layer dim along which the param holds several matrices, each
+      orthogonalised on its own (Megatron's `--muon-split-qkv`, its default: a fused QKV kernel
+      [D, R + 2, G, K] is q [D, R*G*K], k and v [D, G*K]); None: one matrix.
+
+    Newton-Schulz is the same up to a permutation of rows or columns, so the order of the dims folded into
+    one side does not matter (jzero's q is (R, G, K), Megatron's (G, R, K)).
+    """
+
+    rows: int = 1
+    split_axis: int | None = None
+    split_sizes: tuple[int, ...] = ()
+
+
 class MuonState(NamedTuple):
     """count: steps taken (int32 scalar); momentum: per param its Muon momentum buffer or AdamW's
     exp_avg, fp32 like the param; exp_avg_sq: per AdamW param its exp_avg_sq, `optax.MaskedNode()`
@@ -133,32 +151,66 @@ def default_is_muon(path: tuple, param: Any, layer_dims: int = 0) -> bool:
     return len(param.shape) - layer_dims == 2 and re.search(EMBEDDING_OR_OUTPUT, path_name(path)) is None
 
 
-def muon_params(params: PyTree, is_muon: PyTree | Callable | None = None, layer_dims: PyTree | None = None) -> PyTree:
-    """Per param whether Muon steps it (else AdamW): `is_muon` as a tree of bools or a
-    `(path, param) -> bool`, else `default_is_muon`. ConfigError for a Muon param that is not 2-D per layer.
+def muon_params(
+    params: PyTree, is_muon: PyTree | Callable | None = None, layer_dims: PyTree | None = None,
+    matrices: PyTree | None = None,
+) -> PyTree:  # fmt: skip
+    """Per param whether Muon steps it (else AdamW): `is_muon` as a tree of bools or a `(path, param) ->
+    bool`, else Megatron's rule: a param with a view in `matrices` (default: every param 2-D per layer,
+    one matrix) that is not the embedding or output layer. ConfigError for a Muon param without a view.
 
     `params` may hold `optax.MaskedNode()`s (as `optax.masked` and the owned layout hand a transformation
-    its params: docs/owned.md); they stay MaskedNodes, and `is_muon` and `layer_dims` are read for the rest."""
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=masked)
+    its params: docs/owned.md); they stay MaskedNodes, and the other trees are read for the rest."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=_masked)
+    views = _views(params, is_muon, layer_dims, matrices)
+    return treedef.unflatten([p if _masked(p) else v is not None for p, v in zip(leaves, views)])
+
+
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _views(params, is_muon, layer_dims, matrices) -> list[tuple[MatrixView, int] | None]:
+    """Per leaf of `params` (MaskedNodes as leaves): (its MatrixView, its layer dims) if Muon steps it, else None."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_masked)
     dims = [0] * len(leaves) if layer_dims is None else treedef.flatten_up_to(layer_dims)
     chosen = None if is_muon is None or callable(is_muon) else treedef.flatten_up_to(is_muon)
+    views = None if matrices is None else treedef.flatten_up_to(matrices)
 
     def one(k, path, p):
-        if masked(p):
-            return p
+        if _masked(p):
+            return None
+        view = views[k] if views is not None else MatrixView() if len(p.shape) - dims[k] == 2 else None
         if is_muon is None:
-            muon = default_is_muon(path, p, dims[k])
+            muon = view is not None and re.search(EMBEDDING_OR_OUTPUT, path_name(path)) is None
         else:
-            muon = bool(is_muon(path, p)) if callable(is_muon) else chosen[k]
-        if muon and len(p.shape) - dims[k] != 2:
+            muon = bool(is_muon(path, p)) if callable(is_muon) else bool(chosen[k])
+        if muon and view is None:
             raise ConfigError(
                 f"muon: param {path_name(path)} {tuple(p.shape)} with {dims[k]} stacked layer dims is not a matrix "
-                "per layer; Newton-Schulz needs 2-D (leave it to AdamW)"
+                "per layer; Newton-Schulz needs 2-D (leave it to AdamW, or give its MatrixView in matrices=)"
             )
-        return bool(muon)
+        return (view, dims[k]) if muon else None
 
-    return treedef.unflatten([one(k, path, p) for k, (path, p) in enumerate(leaves)])
+    return [one(k, path, p) for k, (path, p) in enumerate(leaves)]
+
+
+def orthogonalize(d: jax.Array, view: MatrixView, layer_dims: int, **ns) -> jax.Array:
+    """NS(d) x its scale, per layer and per matrix of `view` (`muon`'s update direction; `ns`:
+    `newton_schulz`'s and `scale_factor`'s keywords)."""
+    scale_mode, extra = ns.pop("scale_mode"), ns.pop("extra_scale_factor")
+    lead = d.shape[:layer_dims]
+    parts = [d]
+    if view.split_axis is not None:
+        cuts = [sum(view.split_sizes[:i]) for i in range(1, len(view.split_sizes))]
+        parts = jnp.split(d, cuts, axis=layer_dims + view.split_axis)
+    out = []
+    for x in parts:
+        per = x.shape[layer_dims:]
+        rows, cols = math.prod(per[: view.rows]), math.prod(per[view.rows :])
+        o = newton_schulz(x.reshape(*lead, rows, cols), **ns) * scale_factor((rows, cols), scale_mode, extra)
+        out.append(o.reshape(x.shape))
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=layer_dims + view.split_axis)
 
 
 def _zeros(p) -> jax.Array:
@@ -189,6 +241,7 @@ def muon(
     extra_scale_factor: float = 1.0,
     is_muon: PyTree | Callable | None = None,
     layer_dims: PyTree | None = None,
+    matrices: PyTree | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Megatron's Muon for the matrices, torch's AdamW for the rest (module docstring), with jzero's
     param groups.
@@ -206,6 +259,9 @@ def muon(
       is_muon: a tree of bools like the params, or `(path, param) -> bool`; default `default_is_muon`.
       layer_dims: per param its leading stacked-layer (or expert) dims, default 0: Newton-Schulz runs
         once per layer of a stacked [L, m, n] param.
+      matrices: per param its `MatrixView` (the matrix, or matrices, it is per layer) or None (no matrix:
+        AdamW); default: one matrix for every param 2-D per layer. A model with fused or multi-dim
+        kernels gives it (`GPTModel.muon_matrices`: Megatron's QKV split, the [H, K, D] output).
 
     Updates and state are laid out like the params (each param whole: the spec path).
     """
@@ -215,40 +271,47 @@ def muon(
         raise ConfigError(f"muon: ns_dtype={ns_dtype} must be bfloat16 or float32")
 
     def init(params):
-        which = muon_params(params, is_muon, layer_dims)
+        leaves, treedef = jax.tree.flatten(params, is_leaf=_masked)
+        views = _views(params, is_muon, layer_dims, matrices)
         return MuonState(
             count=jnp.zeros([], jnp.int32),
             momentum=jax.tree.map(_zeros, params),
-            exp_avg_sq=jax.tree.map(lambda p, m: optax.MaskedNode() if m else _zeros(p), params, which),
+            exp_avg_sq=treedef.unflatten(
+                [p if _masked(p) else optax.MaskedNode() if v else _zeros(p) for p, v in zip(leaves, views)]
+            ),
         )
 
     def update(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("muon needs the params (its weight decay): pass them to update")
-        which = muon_params(params, is_muon, layer_dims)
+        views = _views(params, is_muon, layer_dims, matrices)
         count = optax.safe_increment(state.count)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         t = count.astype(jnp.float32)
         bc1, bc2_sqrt = 1 - b1**t, jnp.sqrt(1 - b2**t)
         lr_mult = multipliers(extra_args, "lr_mult", updates)
         wd_mult = multipliers(extra_args, "wd_mult", updates)
+        ns = dict(steps=ns_steps, dtype=ns_dtype, scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
 
-        def step(g, p, m, v, is_m, lr_m, wd_m):
+        def step(g, p, m, v, view, lr_m, wd_m):
+            if _masked(g):
+                return g, m, v
             g, p = g.astype(jnp.float32), p.astype(jnp.float32)
             rate = lr * lr_m
             decay = -(rate * (weight_decay * wd_m)) * p
-            if is_m:
+            if view is not None:
                 m = m + (1 - momentum) * (g - m)
                 d = g + momentum * (m - g) if nesterov else m
-                scale = scale_factor(p.shape, scale_mode, extra_scale_factor)
-                return decay - rate * (newton_schulz(d, steps=ns_steps, dtype=ns_dtype) * scale), m, v
+                return decay - rate * orthogonalize(d, *view, **ns), m, v
             m = m + (1 - b1) * (g - m)
             v = _rounded(b2 * v) + (1 - b2) * g * g  # torch's mul_ then addcmul_: one fma
             return decay - (rate / bc1) * (m / (jnp.sqrt(v) / bc2_sqrt + eps)), m, v
 
-        leaves, treedef = jax.tree.flatten(updates)
-        others = (params, state.momentum, state.exp_avg_sq, which, lr_mult, wd_mult)
-        out = [step(*args) for args in zip(leaves, *(treedef.flatten_up_to(x) for x in others))]
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=_masked)
+        others = [treedef.flatten_up_to(x) for x in (params, state.momentum, state.exp_avg_sq)]
+        groups = [treedef.flatten_up_to(x) for x in (lr_mult, wd_mult)]
+        out = [step(g, p, m, v, view, lr_m, wd_m)
+               for g, p, m, v, view, lr_m, wd_m in zip(leaves, *others, views, *groups)]  # fmt: skip
         new_updates, new_m, new_v = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return new_updates, MuonState(count, new_m, new_v)
 

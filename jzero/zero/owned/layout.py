@@ -191,6 +191,19 @@ class _State:
         return out
 
 
+def _state_cost(inner: optax.GradientTransformation, plan) -> list[float]:
+    """Per param, its inner state's elements per element of it (Adam: 2, a Muon matrix: 1), which
+    `plan.make_owned_plan` balances beside the elements."""
+    tensors = jax.tree.leaves(plan.tensors)
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
+    state = [0] * len(tensors)
+    for path, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, abstract))[0]:
+        owner = plan.param_of(tuple(path))
+        if owner is not None and x.shape:
+            state[plan.index(owner)] += x.size
+    return [n / max(1, t.numel) for n, t in zip(state, tensors)]
+
+
 def owned_layout(inputs: LayoutInputs) -> Layout:
     """The owned layout of a run (module docstring): its shardings and traceable programs."""
     plan, options, config, model_state, inner = (
@@ -201,7 +214,7 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         inputs.inner,
     )
     mesh, stage, loss_scale = plan.mesh, plan.stage, options.loss_scale
-    owned = make_owned_plan(plan, config.owned_balance)
+    owned = make_owned_plan(plan, config.owned_balance, _state_cost(inner, plan))
     check_per_tensor(inner, plan, owned, inputs.groups)
     treedef = jax.tree.structure(plan.tensors)
     tensors = jax.tree.leaves(plan.tensors)

@@ -13,8 +13,10 @@ the `[S]` segments returns every param: `d * S` elements each way, DDP's wire by
 balance (`Domain.balance`).
 
 Balance (`OwnedBalance`):
-  elements: each piece, largest first (stable: leaves order, then layers), goes to the owner holding
-    the fewest elements so far (lowest rank on ties): the longest-processing-time rule on elements.
+  elements: each piece, largest first, goes to the owner whose larger share, of the domain's elements
+    or of its optimizer state (`state`: per param, its state elements per element: Adam's 2, a Muon
+    matrix's 1), stays smallest with it (lowest rank on ties): the longest-processing-time rule on both,
+    so the segments (the wire) and the state rows (the memory) both come out even.
   megatron: Megatron-Core 0.16.1's `LayerWiseDistributedOptimizer`: pieces stable-sorted by size and
     dealt round the loop `0, 1, ..., d-1, d-1, ..., 1, 0` (docs/owned.md).
 Both are deterministic; a rank that owns nothing holds an all-padding segment and still takes part.
@@ -106,19 +108,23 @@ class OwnedPlan:
         return next(i for i, dom in enumerate(self.domains) if any(p.leaf == leaf for p in dom.pieces))
 
 
-def _deal(numels: list[int], d: int, balance: OwnedBalance) -> list[int]:
-    """The owner of each piece (module docstring)."""
-    order = sorted(range(len(numels)), key=lambda i: -numels[i] if balance == OwnedBalance.ELEMENTS else numels[i])
-    owners = [0] * len(numels)
+def _deal(numels: list[int], d: int, balance: OwnedBalance, states: list[float] | None = None) -> list[int]:
+    """The owner of each piece (module docstring); `states`: each piece's optimizer-state elements."""
     if balance == OwnedBalance.MEGATRON:
+        order = sorted(range(len(numels)), key=lambda i: numels[i])
         loop = list(range(d)) + list(reversed(range(d)))
-        for k, i in enumerate(order):
-            owners[i] = loop[k % len(loop)]
-        return owners
-    loads = [0] * d
+        return [loop[order.index(i) % len(loop)] for i in range(len(numels))]
+    states = states or [0.0] * len(numels)
+    total = (max(1, sum(numels)), max(1.0, sum(states)))
+    order = sorted(range(len(numels)), key=lambda i: -(numels[i] / total[0] + states[i] / total[1]))
+    owners, loads = [0] * len(numels), [(0.0, 0.0)] * d
+
+    def after(r: int, i: int) -> tuple[float, float]:  # owner r's elements and state, as shares, with piece i
+        return (loads[r][0] + numels[i] / total[0], loads[r][1] + states[i] / total[1])
+
     for i in order:
-        r = min(range(d), key=lambda r: (loads[r], r))
-        owners[i], loads[r] = r, loads[r] + numels[i]
+        r = min(range(d), key=lambda r: (max(after(r, i)), sum(after(r, i)), r))
+        owners[i], loads[r] = r, after(r, i)
     return owners
 
 
@@ -127,7 +133,9 @@ def _local_shape(plan: ShardingPlan, t: TensorPlan) -> tuple[int, ...]:
     return tuple(n // axes_size(plan.mesh, entry_axes(e)) for n, e in zip(t.shape, entries))
 
 
-def make_owned_plan(plan: ShardingPlan, balance: OwnedBalance | str = OwnedBalance.ELEMENTS) -> OwnedPlan:
+def make_owned_plan(
+    plan: ShardingPlan, balance: OwnedBalance | str = OwnedBalance.ELEMENTS, state: list[float] | None = None
+) -> OwnedPlan:
     """The ownership of `plan`'s params (module docstring).
 
     Raises ConfigError for a param split over tp (whole-tensor ownership needs the whole tensor on its
@@ -162,7 +170,8 @@ def make_owned_plan(plan: ShardingPlan, balance: OwnedBalance | str = OwnedBalan
             for i in by_axes[axes]
             for layer in (range(local[i][0]) if stacked[i] else [None])
         ]
-        owners = _deal([n for _, _, n in items], d, balance)
+        states = None if state is None else [n * state[i] for i, _, n in items]
+        owners = _deal([n for _, _, n in items], d, balance, states)
         offsets, pieces = [0] * d, []
         for (i, layer, n), r in sorted(zip(items, owners), key=lambda x: x[1]):  # stable: leaves, then layers
             pieces.append(Piece(i, layer, n, r, offsets[r]))

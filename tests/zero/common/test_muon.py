@@ -54,7 +54,7 @@ from jzero.errors import ConfigError
 from jzero.train.model import GPTModel
 from jzero.zero import groups
 from jzero.zero.common.groups import GroupValues, ParamGroup, per_param_values
-from jzero.zero.common.muon import QUINTIC, muon_params, newton_schulz, scale_factor
+from jzero.zero.common.muon import QUINTIC, MatrixView, muon_params, newton_schulz, orthogonalize, scale_factor
 from jzero.zero.common.strategies import path_name
 
 MUON_DATA = DATA / "muon"
@@ -233,8 +233,9 @@ def test_param_groups_scale_the_lr_and_the_weight_decay():
 
 
 def test_default_rule_on_jzeros_gpt():
-    """Matrices per layer are Muon; the token embedding and the output head, 1-D params and kernels of more
-    than 2 dims per layer (attention's qkv and proj) are AdamW; with scan_layers the [L] dim is a batch dim."""
+    """Without the model's `muon_matrices`: matrices per layer are Muon; the token embedding and the output
+    head, 1-D params and kernels of more than 2 dims per layer (attention's qkv and proj) are AdamW; with
+    scan_layers the [L] dim is a batch dim."""
     for scan in (False, True):
         model = GPTModel(tiny_config(model={"scan_layers": scan}).model)
         abstract = model.abstract_params()
@@ -244,6 +245,33 @@ def test_default_rule_on_jzeros_gpt():
         block = "blocks" if scan else "blocks/0"
         assert {f"{block}/mlp/fc1/kernel", f"{block}/mlp/fc2/kernel", "pos_emb"} <= chosen
         assert not any(n in chosen for n in ("tok_emb", "head", f"{block}/attn/qkv/kernel", f"{block}/ln1/scale"))
+
+
+def test_gpt_matrices_are_megatrons():
+    """With `GPTModel.muon_matrices` attention is Muon too, as in Megatron: the qkv kernel [D, R + 2, G, K]
+    orthogonalised as q [D, R*G*K], k and v [D, G*K] apart (`--muon-split-qkv`), proj [H, K, D] as [H*K, D],
+    each scaled by its own shape; swiglu's fc1 [D, 2, F] as one [D, 2F] matrix."""
+    for scan in (False, True):
+        model = GPTModel(tiny_config(model={"scan_layers": scan, "n_kv_heads": 2, "mlp": "swiglu"}).model)
+        abstract = model.abstract_params()
+        layer_dims = jax.tree.map(lambda p, n: p.ndim - n, abstract, model.layer_ndims(abstract))
+        matrices = model.muon_matrices(abstract)
+        which = muon_params(abstract, layer_dims=layer_dims, matrices=matrices)
+        chosen = {path_name(path) for path, m in jax.tree_util.tree_leaves_with_path(which) if m}
+        block = "blocks" if scan else "blocks/0"
+        assert {f"{block}/attn/qkv/kernel", f"{block}/attn/proj/kernel", f"{block}/mlp/fc1/kernel"} <= chosen
+        assert not any(n in chosen for n in ("tok_emb", "head", f"{block}/ln1/scale"))
+    d, r, g, k = 16, 2, 2, 4
+    x = jax.random.normal(jax.random.key(0), (3, d, r + 2, g, k))  # 3 stacked layers
+    ns = dict(steps=5, dtype=jnp.float32, scale_mode="spectral", extra_scale_factor=1.0)
+    got = orthogonalize(x, MatrixView(1, 1, (r, 1, 1)), 1, **ns)
+    for lo, hi in [(0, r), (r, r + 1), (r + 1, r + 2)]:
+        m = x[:, :, lo:hi].reshape(3, d, -1)
+        want = newton_schulz(m, steps=5, dtype=jnp.float32) * np.sqrt(max(m.shape[1:]))
+        np.testing.assert_array_equal(got[:, :, lo:hi].reshape(3, d, -1), want)
+    proj = jax.random.normal(jax.random.key(1), (4, 4, d))
+    want = newton_schulz(proj.reshape(16, d), steps=5, dtype=jnp.float32) * 4.0
+    np.testing.assert_array_equal(orthogonalize(proj, MatrixView(2), 0, **ns), want.reshape(4, 4, d))
 
 
 def test_zero1_steps_what_one_device_steps():
