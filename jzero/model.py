@@ -31,6 +31,9 @@ gives its default when a model lacks it:
                                                      memory pre-flight, jzero.train.preflight)
     unit_key(path) -> str                            the flat path's name of a unit param's unit
                                                      (None: `build_zero`'s default rule)
+    muon_matrices(params) -> PyTree                  per param the matrix (or matrices) Megatron's Muon
+                                                     orthogonalises, a `muon.MatrixView`, or None
+                                                     (default: every param 2-D per layer; `jzero.optim`)
 
 A model may also keep non-trainable state beside its params (Megatron's buffers; jzero's GPT: each
 MoE block's expert bias), replicated, no grad, no optimizer state, saved in checkpoints. It then has
