@@ -188,14 +188,15 @@ class PrecisionConfig:
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
     """`optimizer.name: muon`'s own keys, Megatron-LM's `--muon-*` flags and their defaults; the params
-    it leaves to AdamW (embeddings, output head, biases, norm scales, kernels of more than 2 dims per
-    layer) use `optimizer.b1, b2, eps`, and both sides `optimizer.weight_decay` (docs/megatron.md, "Muon")."""
+    it leaves to AdamW (embeddings, output head, biases, norm scales: what the model's `muon_matrices`
+    names no matrix) use `optimizer.b1, b2, eps`, and both sides `optimizer.weight_decay`
+    (docs/megatron.md, "Muon")."""
 
     momentum: float = 0.9  # --muon-momentum
     nesterov: bool = False  # --muon-use-nesterov
     ns_steps: int = 5  # --muon-num-ns-steps: Newton-Schulz iterations
     ns_dtype: NewtonSchulzDType = NewtonSchulzDType.BFLOAT16  # --muon-fp32-matmul-prec medium; float32: high
-    scale_mode: MuonScaleMode = MuonScaleMode.SPECTRAL  # --muon-scale-mode; jzero's GPT kernels are [in, out]
+    scale_mode: MuonScaleMode = MuonScaleMode.SPECTRAL  # --muon-scale-mode, on [in, out] matrices
     extra_scale_factor: float = 1.0  # --muon-extra-scale-factor
 
 

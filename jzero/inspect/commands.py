@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, load_config
-from jzero.zero.config import ShardingStrategy
+from jzero.zero.config import ShardingStrategy, ZeroPath
 
 # The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
 TARGET_CHOICES = ("cpu", "h100", "a100", "h200")
@@ -45,7 +45,7 @@ def _common(sp) -> None:
     sp.add_argument(
         "--strategies",
         help=f"comma-separated zero.strategy values (default {DEFAULT_STRATEGIES}; with zero.param_gather_dtype "
-        "optim,optim_grads)",
+        "or zero.path=owned optim,optim_grads)",
     )
     sp.add_argument("--path", choices=("spec", "flat", "owned"), help="zero.path (default: the config's)")
     sp.add_argument(
@@ -87,8 +87,8 @@ def _compile_all(cfg: Config, args, dump: bool) -> dict:
 
     out = {}
     default = DEFAULT_STRATEGIES
-    if cfg.zero.param_gather_dtype is not None:  # it quantizes the gather after the step: not DDP's, not ZeRO-3's
-        default = "optim,optim_grads"
+    if cfg.zero.param_gather_dtype is not None or cfg.zero.path == ZeroPath.OWNED:  # ZeRO-1/2 only: a quantized
+        default = "optim,optim_grads"  # gather follows the step; the owned path keeps the params whole
     for s in _strategies(default if args.strategies is None else args.strategies):
         out[s] = compile_step(with_zero(cfg, s, args.path), args.target, args.topology, dump=dump)
         print(f"compiled {s} in {out[s].compile_s:.1f} s", file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ class ZeroPath(str, enum.Enum):
 class OwnedBalance(str, enum.Enum):
     """How the owned path deals whole params (or layers) to the owners of their DP domain (`owned/plan.py`)."""
 
-    ELEMENTS = "elements"  # largest first, each to the owner holding the fewest elements so far
+    ELEMENTS = "elements"  # largest first, each to the owner keeping its share of elements and state smallest
     MEGATRON = "megatron"  # Megatron-Core 0.16.1's ping-pong by size (its LayerWiseDistributedOptimizer)
 
 
@@ -93,8 +93,8 @@ class ZeroConfig:
     # needs it on), but off with param_gather_dtype (whose quantized gather follows the step); ignored
     # by no_shard (no gather) and optim_grads_params (which always does this).
     overlap_param_gather: bool | None = None
-    # Owned path: how whole params (or layers) are dealt to their owners (`owned/plan.OwnedBalance`):
-    # "elements" (largest first to the least-loaded rank) or "megatron" (Megatron-Core 0.16.1's ping-pong).
+    # Owned path: how whole params (or layers) are dealt to their owners (`OwnedBalance`): "elements" (the
+    # elements and optimizer state evened, largest first) or "megatron" (Megatron-Core 0.16.1's ping-pong).
     owned_balance: OwnedBalance = OwnedBalance.ELEMENTS
 
     def __post_init__(self):

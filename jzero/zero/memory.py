@@ -88,6 +88,7 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
     padded = {} if zero.flat is None or ddp else flat_numel_by_domain(zero.flat)
     if zero.layout.owned is not None and not ddp:
         padded = owned_numel_by_domain(zero)
+    owned_local = zero.layout.owned is not None and not plan.stage.shards_grads  # ZeRO-1's local grads: unpadded
     out = {}
     for axes, p in plan.numel_by_domain().items():
         s = padded.get(axes, p)  # the flat path steps, reduces and stores its buckets, padding included
@@ -109,7 +110,7 @@ def formula_domains(zero: Zero, ddp: bool = False) -> dict[str, dict]:
             "params": p_params * param_b / shard_params,
             "main_params": s * main_b / shard_state,
             "optimizer_moments": s * moment_b / shard_state,
-            "grads": s * grad_b / shard_grads,
+            "grads": (p if owned_local else s) * grad_b / shard_grads,
         }
     return dict(sorted(out.items()))  # dense before expert
 

@@ -58,8 +58,9 @@ QUINTIC = (
     (2.8366, -3.0525, 1.2012),
 )
 
-# Megatron's `get_muon_scale_factor(size_out, size_in, mode)`, read on a param's last two dims as
-# torch's [out, in] (jzero's GPT kernels are [in, out]: there only `spectral` means the same).
+# Megatron's `get_muon_scale_factor(size_out, size_in, mode)`. `muon` reads a matrix as JAX's [in, out]
+# (x @ W; `MatrixView.rows` the input side), as jzero's kernels are; a torch-layout [out, in] param gets
+# out and in swapped, which only `spectral` does not mind.
 SCALE_MODES: dict[str, Callable[[int, int], float]] = {
     "spectral": lambda out, in_: math.sqrt(max(out, in_)),
     "shape_scaling": lambda out, in_: math.sqrt(max(1.0, out / in_)),
@@ -113,8 +114,8 @@ def _rounded(x: jax.Array) -> jax.Array:
 
 
 def scale_factor(shape: tuple[int, ...], scale_mode: str = "spectral", extra_scale_factor: float = 1.0) -> float:
-    """Megatron's scale of the orthogonalised update for a param of `shape` (its last two dims)."""
-    return SCALE_MODES[scale_mode](shape[-2], shape[-1]) * extra_scale_factor
+    """Megatron's scale of the orthogonalised update for a matrix of `shape` [in, out] (its last two dims)."""
+    return SCALE_MODES[scale_mode](shape[-1], shape[-2]) * extra_scale_factor
 
 
 class MatrixView(NamedTuple):
@@ -143,12 +144,6 @@ class MuonState(NamedTuple):
     count: jax.Array
     momentum: PyTree
     exp_avg_sq: PyTree
-
-
-def default_is_muon(path: tuple, param: Any, layer_dims: int = 0) -> bool:
-    """Megatron's rule: 2-D per layer (after `layer_dims` stacked dims) and not the embedding or
-    output layer (`EMBEDDING_OR_OUTPUT`, on the path's name `blocks/0/mlp/fc1/kernel`)."""
-    return len(param.shape) - layer_dims == 2 and re.search(EMBEDDING_OR_OUTPUT, path_name(path)) is None
 
 
 def muon_params(
@@ -256,9 +251,11 @@ def muon(
       ns_steps: Newton-Schulz iterations (`--muon-num-ns-steps`).
       ns_dtype: their GEMMs' dtype: bf16 (`--muon-fp32-matmul-prec medium`) or fp32 (`high`).
       scale_mode, extra_scale_factor: `SCALE_MODES` (`--muon-scale-mode`, `--muon-extra-scale-factor`).
-      is_muon: a tree of bools like the params, or `(path, param) -> bool`; default `default_is_muon`.
+      is_muon: a tree of bools like the params, or `(path, param) -> bool`; default Megatron's rule
+        (`muon_params`).
       layer_dims: per param its leading stacked-layer (or expert) dims, default 0: Newton-Schulz runs
-        once per layer of a stacked [L, m, n] param.
+        once per layer of a stacked [L, m, n] param. Without it such a stack is no matrix, so AdamW's
+        (`optimizer.name: muon` passes the model's).
       matrices: per param its `MatrixView` (the matrix, or matrices, it is per layer) or None (no matrix:
         AdamW); default: one matrix for every param 2-D per layer. A model with fused or multi-dim
         kernels gives it (`GPTModel.muon_matrices`: Megatron's QKV split, the [H, K, D] output).

@@ -32,6 +32,7 @@ import optax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jzero.errors import ConfigError
+from jzero.mesh import entry_axes
 from jzero.zero.common.groups import GroupValues, ParamGroup, group_leaves, per_param_values
 from jzero.zero.common.strategies import ShardingPlan, path_name
 from jzero.zero.common.update import inner_update
@@ -113,16 +114,18 @@ def _decides_by_size(inner, plan: ShardingPlan, values) -> bool:
     return program(tuple) != program(_miniature_shape)
 
 
-def _primitives(jaxpr: Jaxpr) -> collections.Counter:
+def _primitives(jaxpr: Jaxpr, detail: bool = False) -> collections.Counter:
     """How often each primitive runs in `jaxpr`, the jaxprs it calls counted at each call (jax shares
-    one sub-jaxpr between calls of equal shapes, which the miniature's shapes make more of)."""
+    one sub-jaxpr between calls of equal shapes, which the miniature's shapes make more of); with
+    `detail`, each with the dims it names (`axes`, `dimensions`, `permutation`)."""
     count = collections.Counter()
     for eqn in jaxpr.eqns:
-        count[eqn.primitive.name] += 1
+        dims = tuple(str(eqn.params.get(k)) for k in ("axes", "dimensions", "permutation")) if detail else ()
+        count[(eqn.primitive.name, *dims) if detail else eqn.primitive.name] += 1
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    count += _primitives(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)
+                    count += _primitives(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, detail)
     return count
 
 
@@ -256,24 +259,42 @@ def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, g
 
 def check_per_tensor(
     inner: optax.GradientTransformation, plan: ShardingPlan, owned, groups: PyTree | None = None
-) -> None:
-    """Raises ConfigError unless `inner` steps each param alone (each layer of a stacked one, where the owned
-    layout owns it by layer: `owned.stacked`) as it steps it among all the params.
+) -> frozenset[int]:
+    """The stacked params `inner` must step whole (the leaves indices of those whose layers it couples);
+    raises ConfigError unless it steps every other param alone as it steps it among all the params: each
+    layer of a stacked one (where the owned layout owns it by layer: `owned.stacked`), and an expert param's
+    first half of its experts (each ep rank steps its own experts' slice).
 
     The owned layout (`owned/layout.py`) steps each rank's params whole but without the others, which it
     hands the transformation as `optax.MaskedNode`s; a norm, clip or skip across params inside the chain
-    would see only the rank's own. Compares two steps' updates on the miniature (module docstring).
+    would see only the rank's own. Compares two steps' updates on the miniature (module docstring); and,
+    traced only, the update program of each stacked or expert param at its shape against at the shape a
+    rank holds of it (one layer; its ep slice), which a rule on a dim's size (Adafactor's factored dims)
+    tells apart beyond the miniature. A stacked param that fails either only by its layers (Adafactor's
+    block RMS over the whole stack) is returned, for its owner to hold it whole.
     """
     params, grads = _miniature(plan)
     values = None if groups is None else per_param_values(groups)
     leaves, treedef = jax.tree.flatten(params)
-    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.tensors)[0]]
+    tensors = jax.tree.leaves(plan.tensors)
+    names = [t.name for t in tensors]
+    ep = plan.mesh.shape["ep"]
+    ep_dims = [next((k for k, e in enumerate(tuple(t.tp_spec)) if "ep" in entry_axes(e)), None) for t in tensors]
+
+    def part(x, i, layer):  # the piece one rank steps of leaf i's miniature (or of its reference updates)
+        lead = x.ndim - leaves[i].ndim  # the reference's [steps] dim
+        if layer is not None:
+            x = jax.lax.slice_in_dim(x, layer, layer + 1, axis=lead)
+        if ep > 1 and ep_dims[i] is not None and leaves[i].shape[ep_dims[i]] > 1:
+            x = jax.lax.slice_in_dim(x, 0, leaves[i].shape[ep_dims[i]] // 2, axis=lead + ep_dims[i])
+        return x
+
     cases = [(i, layer) for i, x in enumerate(leaves) for layer in (range(x.shape[0]) if owned.stacked[i] else [None])]
 
     def alone(tree, i, layer):
         xs = treedef.flatten_up_to(tree)
         out = [optax.MaskedNode()] * len(xs)
-        out[i] = xs[i] if layer is None or not jnp.ndim(xs[i]) else xs[i][layer : layer + 1]
+        out[i] = part(xs[i], i, layer) if jnp.ndim(xs[i]) else xs[i]
         return treedef.unflatten(out)
 
     def runs(params, grads):
@@ -292,13 +313,42 @@ def check_per_tensor(
             f"zero.path=owned cannot run {what}: it fails on one param alone ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:160]}). Use zero.path=spec."
         ) from None
+    whole = set()
     for (i, layer), u in zip(cases, each):
-        ref = reference[i] if layer is None else reference[i][:, layer : layer + 1]
-        error = _step_error(u, ref)
-        if error > PER_TENSOR_TOLERANCE:
-            where = names[i] + ("" if layer is None else f" (layer {layer})")
+        if _step_error(u, part(reference[i], i, layer)) <= PER_TENSOR_TOLERANCE:
+            continue
+        if layer is not None and ep_dims[i] is None:  # its layers are coupled: its owner holds the stack whole
+            whole.add(i)
+            continue
+        where = names[i] + ("" if layer is None else f" (layer {layer})")
+        raise ConfigError(
+            f"zero.path=owned steps each param whole and alone on its owner, and {what} steps param {where} "
+            f"differently alone than among all params (a norm, clip or skip across params or experts inside "
+            "the chain?). Clip with build_zero's clip_grad (the CLI's optimizer.clip_grad) instead, or use "
+            "zero.path=spec."
+        )
+    for i, t in enumerate(tensors):
+        held = list(owned.local_shapes[i])
+        if owned.stacked[i]:
+            held[0] = 1
+        if i in whole or tuple(held) == t.shape:
+            continue
+        if _program_of(inner, treedef, i, t.shape) != _program_of(inner, treedef, i, held):
+            if owned.stacked[i] and ep_dims[i] is None:
+                whole.add(i)
+                continue
             raise ConfigError(
-                f"zero.path=owned steps each param whole and alone on its owner, and {what} steps param {where} "
-                f"differently alone than among all params (a norm, clip or skip across params inside the chain?). "
-                "Clip with build_zero's clip_grad (the CLI's optimizer.clip_grad) instead, or use zero.path=spec."
+                f"zero.path=owned: {what} builds another update for param {t.name} at its shape {t.shape} than at "
+                f"the {tuple(held)} a rank holds of it (a rule on a dim's size, such as Adafactor's factored dims "
+                "taking the expert dim), so it would train otherwise. Use zero.path=spec."
             )
+    return frozenset(whole)
+
+
+def _program_of(inner, treedef, i: int, shape) -> collections.Counter:
+    """The primitives of `inner`'s first update of leaf `i` alone at `shape`, each with the dims it reduces,
+    transposes or broadcasts (Adafactor factors other dims of another shape with the same primitives).
+    Abstract: nothing is made."""
+    spec = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+    tree = treedef.unflatten([spec if k == i else optax.MaskedNode() for k in range(treedef.num_leaves)])
+    return _primitives(jax.make_jaxpr(lambda p, g: _run(inner, p, [g], None))(tree, tree).jaxpr, detail=True)

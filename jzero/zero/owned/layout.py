@@ -15,7 +15,8 @@ and the step moves DDP's bytes:
            rank owns (a stacked param: its owned layers, `[k, ...]`) and `optax.MaskedNode()` for the
            rest (as `optax.masked` hands a transformation its params); each rank runs its own branch of
            a `lax.switch`, with no collective inside
-    -> one all-gather of the updated `[S]` segments (in the params' dtype) into the params tree.
+    -> one all-gather of the updated `[S]` segments into the params tree, in the params' dtype (fp32 where
+           the params' dtypes differ: one segment holds them all).
 
 Megatron-Core 0.16.1's `LayerWiseDistributedOptimizer` owns the same way but all-reduces the whole
 gradient and all-gathers uneven segments: 1.5x DDP's bytes (docs/owned.md).
@@ -44,12 +45,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import BATCH_AXES, OUTER_AXIS, axes_size
+from jzero.errors import ConfigError
+from jzero.mesh import BATCH_AXES, OUTER_AXIS, axes_size, entry_axes
 from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.offload import make_offload, state_mask
-from jzero.zero.common.probe import check_per_tensor
+from jzero.zero.common.probe import check_per_tensor, transformation_name
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import TrainState, ZeroState, keeps_main_params, loss_parts, model_state_shardings
 from jzero.zero.common.strategies import restrict
@@ -71,10 +73,15 @@ REDUCE_CHUNK = 2**22
 @dataclasses.dataclass(frozen=True)
 class _StateLayout:
     """Where rank `branch`'s inner-state leaves sit in the per-dtype buffers: its treedef, and per leaf
-    (dtype name, offset, shape)."""
+    (dtype name, offset, shape) and its key path."""
 
     treedef: Any
     leaves: tuple[tuple[str, int, tuple[int, ...]], ...]
+    paths: tuple[tuple, ...]
+
+    @property
+    def shapes(self) -> dict[tuple, tuple[int, ...]]:
+        return {path: shape for path, (_, _, shape) in zip(self.paths, self.leaves)}
 
 
 def _view(owned: OwnedPlan, branch: int, segments: list[jax.Array], treedef) -> PyTree:
@@ -93,18 +100,14 @@ def _view(owned: OwnedPlan, branch: int, segments: list[jax.Array], treedef) -> 
 
 
 def _segment(owned: OwnedPlan, d: int, owner: int, leaves: list, dtype) -> jax.Array:
-    """Owner `owner`'s segment `[S]` of domain `d` from the params' local `leaves` (whole, or a rank's view)."""
-    dom = owned.domains[d]
-    parts = [
-        (leaves[p.leaf] if p.layer is None else leaves[p.leaf][p.layer]).reshape(-1).astype(dtype)
-        for p in dom.owned(owner)
-    ]
-    pad = dom.size - sum(p.numel for p in dom.owned(owner))
-    return jnp.concatenate(parts + [jnp.zeros((pad,), dtype)])
+    """Per rank (inside shard_map) or on global values: owner `owner`'s segment `[S]` of domain `d` from the
+    params' local `leaves` (all layers; ep-local experts)."""
+    return _segment_part(owned, d, owner, leaves, dtype, 0, owned.domains[d].size)
 
 
 def _segment_part(owned: OwnedPlan, d: int, owner: int, leaves: list, dtype, start: int, stop: int) -> jax.Array:
-    """Elements `[start, stop)` of owner `owner`'s segment of domain `d` (`_segment`'s, without the rest)."""
+    """Elements `[start, stop)` of owner `owner`'s segment of domain `d` (`_segment`'s, without the rest),
+    zero-padded past its pieces."""
     parts, at = [], start
     for p in owned.domains[d].owned(owner):
         lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
@@ -152,14 +155,15 @@ class _State:
         sizes: dict[str, int] = {}
         for b in range(owned.ranks):
             abstract = self._abstract_view(owned, b, treedef)
-            leaves, tdef = jax.tree.flatten(jax.eval_shape(inner.init, abstract))
+            with_paths, tdef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, abstract))
+            leaves = [x for _, x in with_paths]
             offsets: dict[str, int] = {}
             entries = []
             for x in leaves:
                 name = jnp.dtype(x.dtype).name
                 entries.append((name, offsets.get(name, 0), tuple(x.shape)))
                 offsets[name] = offsets.get(name, 0) + math.prod(x.shape)
-            self.layouts.append(_StateLayout(tdef, tuple(entries)))
+            self.layouts.append(_StateLayout(tdef, tuple(entries), tuple(tuple(p) for p, _ in with_paths)))
             for name, n in offsets.items():
                 sizes[name] = max(sizes.get(name, 1), n)
         self.sizes = dict(sorted(sizes.items()))
@@ -183,7 +187,7 @@ class _State:
     def pack(self, branch: int, state: optax.OptState) -> dict[str, jax.Array]:
         parts: dict[str, list] = {name: [] for name in self.sizes}
         for x, (name, _, _) in zip(jax.tree.leaves(state), self.layouts[branch].leaves):
-            parts[name].append(jnp.asarray(x).reshape(-1))
+            parts[name].append(jnp.asarray(x).reshape(-1).astype(name))  # as init laid it out, whatever update returns
         out = {}
         for name, size in self.sizes.items():
             used = sum(x.size for x in parts[name])
@@ -214,8 +218,11 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         inputs.inner,
     )
     mesh, stage, loss_scale = plan.mesh, plan.stage, options.loss_scale
-    owned = make_owned_plan(plan, config.owned_balance, _state_cost(inner, plan))
-    check_per_tensor(inner, plan, owned, inputs.groups)
+    cost = _state_cost(inner, plan)
+    owned = make_owned_plan(plan, config.owned_balance, cost)
+    whole = check_per_tensor(inner, plan, owned, inputs.groups)
+    if whole:  # a chain that couples a stack's layers (Adafactor's block RMS): its owner holds the stack whole
+        owned = make_owned_plan(plan, config.owned_balance, cost, whole)
     treedef = jax.tree.structure(plan.tensors)
     tensors = jax.tree.leaves(plan.tensors)
     n_leaves, axes, n = len(tensors), owned.axes, owned.ranks
@@ -241,7 +248,7 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         return jax.lax.axis_index(axes)
 
     # --- grads -------------------------------------------------------------------------------------
-    chunk = None if config.bucket_size is None else max(1, config.bucket_size // max(d.d for d in owned.domains))
+    chunk = None if config.bucket_size is None else max(1, config.bucket_size // max(dom.d for dom in owned.domains))
 
     def rank_to_owners(local):  # this rank's local grads [1, *local] -> per domain its reduced segment [1, S]
         leaves = [x[0] for x in local]
@@ -419,149 +426,139 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
 
 
 class _ModelSpace:
-    """The owned state <-> the spec layout's per-parameter state in global shapes (checkpoints, resume
-    onto another layout). Traceable on global arrays; every piece is read from (written to) the rows of
-    the ranks that own it, every ep rank's slice of an expert param from its own row."""
+    """The owned state <-> the spec layout's per-parameter state in global shapes (checkpoints, resume onto
+    another layout). Traceable on global arrays (the caller sets the output shardings): every piece is read
+    from (written to) the rows of the ranks that own it, each ep rank's slice of an expert param from its own
+    row (row q: the dense owner q; the expert owner q // ep's pieces of ep slice q % ep).
+
+    Each inner-state leaf is classified once, when the layout is built: laid out like its param (Adam's
+    moments, Muon's momentum: assembled from the owners' pieces), or the same model-space value on every
+    rank that holds it (step counts, Adafactor's placeholders: any rank's). Any other leaf is refused with
+    a ConfigError naming it, not converted wrong later."""
 
     def __init__(self, owned: OwnedPlan, state: _State, inner, plan, treedef, keep_main: bool):
-        self.owned, self.state, self.inner, self.plan, self.treedef, self.keep_main = (
-            owned,
-            state,
-            inner,
-            plan,
-            treedef,
-            keep_main,
-        )
+        self.owned, self.state, self.plan, self.treedef, self.keep_main = owned, state, plan, treedef, keep_main
         self.tensors = jax.tree.leaves(plan.tensors)
         self.ep = plan.mesh.shape["ep"]
         abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), plan.tensors)
         self.model_inner = jax.eval_shape(inner.init, abstract)
+        self.kinds = self._classify(transformation_name(inner))
 
     def _ep_dim(self, leaf: int) -> int | None:
         spec = tuple(self.tensors[leaf].tp_spec)
-        return next(
-            (i for i, e in enumerate(spec) if e is not None and "ep" in (e if isinstance(e, tuple) else (e,))), None
-        )
-
-    def _ranks_of(self, leaf: int) -> list[tuple[int, int, list]]:
-        """(branch, ep index, owned layers) of every rank holding part of `leaf` (each ep slice once)."""
-        out, seen = [], set()
-        for b in range(self.owned.ranks):
-            layers = self.owned.owned_layers(b, leaf)
-            j = b % self.ep if self._ep_dim(leaf) is not None else 0
-            owner = self.owned.owner(self.owned.domains[self.owned.domain_of(leaf)], b)
-            if layers and (owner, j) not in seen:
-                seen.add((owner, j))
-                out.append((b, j, layers))
-        return out
-
-    def _assemble(self, leaf: int, parts: dict[int, jax.Array], shape: tuple[int, ...]) -> jax.Array:
-        """A global value of `leaf` (state leaf of `shape`) from each holding rank's local value."""
-        ep_dim = self._ep_dim(leaf)
-        by_ep: dict[int, dict] = {}
-        for b, j, layers in self._ranks_of(leaf):
-            x = parts[b]
-            if self.owned.stacked[leaf]:
-                for k, layer in enumerate(layers):
-                    by_ep.setdefault(j, {})[layer] = x[k]
-            else:
-                by_ep.setdefault(j, {})[None] = x
-        slices = []
-        for j in sorted(by_ep):
-            pieces = by_ep[j]
-            slices.append(pieces[None] if None in pieces else jnp.stack([pieces[k] for k in sorted(pieces)]))
-        out = slices[0] if ep_dim is None else jnp.concatenate(slices, axis=ep_dim)
-        return out.reshape(shape)
-
-    def _slice(self, leaf: int, value: jax.Array, b: int) -> jax.Array:
-        """Rank `b`'s local part of a global `leaf`-shaped value: its ep slice, its owned layers."""
-        ep_dim = self._ep_dim(leaf)
-        if ep_dim is not None:
-            size = value.shape[ep_dim] // self.ep
-            value = jax.lax.slice_in_dim(value, (b % self.ep) * size, (b % self.ep + 1) * size, axis=ep_dim)
-        if self.owned.stacked[leaf]:
-            value = value[np.asarray(self.owned.owned_layers(b, leaf))]
-        return value
+        return next((i for i, e in enumerate(spec) if "ep" in entry_axes(e)), None)
 
     def _param_leaf(self, path) -> int | None:
         owner = self.plan.param_of(tuple(path))
         return None if owner is None else self.plan.index(owner)
 
+    def _classify(self, what: str) -> dict[tuple, int | None]:
+        """Per model-space inner-state path: its param's leaf index where it is laid out like the param on
+        every rank, None where every rank holding it holds the model-space value (module docstring)."""
+        kinds = {}
+        for path, like in jax.tree_util.tree_flatten_with_path(self.model_inner)[0]:
+            path, i = tuple(path), self._param_leaf(path)
+            held = {b: lay.shapes[path] for b, lay in enumerate(self.state.layouts) if path in lay.shapes}
+            if i is not None and held and self._laid_like(i, tuple(like.shape), held):
+                kinds[path] = i
+            elif held and all(shape == tuple(like.shape) for shape in held.values()):
+                kinds[path] = None
+            else:
+                raise ConfigError(
+                    f"zero.path=owned cannot convert {what}'s state leaf {jax.tree_util.keystr(path)} "
+                    f"{tuple(like.shape)} to model space for checkpoints: on a rank it is neither laid out like its "
+                    "param's owned layers nor the same whole value; use zero.path=spec"
+                )
+        return kinds
+
+    def _laid_like(self, i: int, shape: tuple[int, ...], held: dict[int, tuple[int, ...]]) -> bool:
+        """Whether a state leaf of model-space `shape` follows param `i`'s pieces on every rank holding it:
+        its owned layers on the leading dim (a stacked param's; Adafactor's factored rows too), or its view."""
+        t = self.tensors[i]
+        if self.owned.stacked[i] and self._ep_dim(i) is None and shape and shape[0] == t.shape[0]:
+            return all(s == (len(self.owned.owned_layers(b, i)), *shape[1:]) for b, s in held.items())
+        return shape == t.shape and all(s == self._view_shape(i, b) for b, s in held.items())
+
+    def _view_shape(self, leaf: int, b: int) -> tuple[int, ...]:
+        shape = self.owned.local_shapes[leaf]
+        return (len(self.owned.owned_layers(b, leaf)), *shape[1:]) if self.owned.stacked[leaf] else shape
+
+    def _ranks_of(self, leaf: int) -> list[tuple[int, int, list]]:
+        """(branch, ep index, owned layers) of every rank holding part of `leaf` (each ep slice once)."""
+        out, seen = [], set()
+        dom = self.owned.domains[self.owned.domain_of(leaf)]
+        for b in range(self.owned.ranks):
+            layers = self.owned.owned_layers(b, leaf)
+            j = b % self.ep if self._ep_dim(leaf) is not None else 0
+            if layers and (self.owned.owner(dom, b), j) not in seen:
+                seen.add((self.owned.owner(dom, b), j))
+                out.append((b, j, layers))
+        return out
+
+    def _assemble(self, leaf: int, parts: dict[int, jax.Array]) -> jax.Array:
+        """The global value of `leaf` (or of a state leaf laid out like it) from each holding rank's part."""
+        by_ep: dict[int, dict] = {}
+        for b, j, layers in self._ranks_of(leaf):
+            for k, layer in enumerate(layers):
+                by_ep.setdefault(j, {})[layer] = parts[b] if layer is None else parts[b][k]
+        slices = [p[None] if None in p else jnp.stack([p[k] for k in sorted(p)]) for _, p in sorted(by_ep.items())]
+        ep_dim = self._ep_dim(leaf)
+        return slices[0] if ep_dim is None else jnp.concatenate(slices, axis=ep_dim)
+
+    def _local(self, leaf: int, value: jax.Array, b: int, layers: bool = False) -> jax.Array:
+        """Rank `b`'s part of a global `leaf`-shaped value: its ep slice, and with `layers` only its owned layers."""
+        ep_dim = self._ep_dim(leaf)
+        if ep_dim is not None:
+            size = value.shape[ep_dim] // self.ep
+            value = jax.lax.slice_in_dim(value, (b % self.ep) * size, (b % self.ep + 1) * size, axis=ep_dim)
+        if layers and self.owned.stacked[leaf]:
+            value = value[np.asarray(self.owned.owned_layers(b, leaf))]
+        return value
+
     def to_model_space(self, opt_state: ZeroState) -> ZeroState:
+        """The owned `ZeroState` (global arrays) -> the spec layout's, per parameter in global shapes."""
         owned, n_leaves = self.owned, len(self.tensors)
         main = None
         if self.keep_main:
-            per_branch = {
-                b: jax.tree.leaves(
-                    _view(owned, b, [m[b] for m in opt_state.main_params], self.treedef),
-                    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-                )
+            views = {
+                b: jax.tree.leaves(_view(owned, b, [m[b] for m in opt_state.main_params], self.treedef),
+                                   is_leaf=lambda x: isinstance(x, optax.MaskedNode))
                 for b in range(owned.ranks)
-            }
-            main = jax.tree.unflatten(
-                self.treedef,
-                [
-                    self._assemble(i, {b: per_branch[b][i] for b, _, _ in self._ranks_of(i)}, self.tensors[i].shape)
-                    for i in range(n_leaves)
-                ],
-            )
+            }  # fmt: skip
+            parts = [{b: views[b][i] for b, _, _ in self._ranks_of(i)} for i in range(n_leaves)]
+            main = jax.tree.unflatten(self.treedef, [self._assemble(i, p) for i, p in enumerate(parts)])
         states = [self.state.unpack(b, {k: v[b] for k, v in opt_state.inner_state.items()}) for b in range(owned.ranks)]
         by_path = [dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(s)[0]) for s in states]
 
         def leaf(path, like):
-            path = tuple(path)
-            i = self._param_leaf(path)
-            if i is None or not like.shape:
+            path, i = tuple(path), self.kinds[tuple(path)]
+            if i is None:
                 return next(bp[path] for bp in by_path if path in bp)
-            return self._assemble(i, {b: by_path[b][path] for b, _, _ in self._ranks_of(i)}, like.shape)
+            return self._assemble(i, {b: by_path[b][path] for b, _, _ in self._ranks_of(i)})
 
-        inner = jax.tree_util.tree_map_with_path(leaf, self.model_inner)
-        return ZeroState(main, inner, opt_state.grad_scaler)
+        return ZeroState(main, jax.tree_util.tree_map_with_path(leaf, self.model_inner), opt_state.grad_scaler)
 
     def from_model_space(self, opt_state: ZeroState) -> ZeroState:
-        owned = self.owned
-        mains = None
+        """Inverse of `to_model_space`: every rank's segments and state rows, stacked `[n, ...]`."""
+        owned, mains = self.owned, None
         if self.keep_main:
             leaves = jax.tree.leaves(opt_state.main_params)
             mains = tuple(
-                jnp.stack(
-                    [
-                        _segment(
-                            owned,
-                            d,
-                            owned.owner(dom, b),
-                            [self._local(i, x, b) for i, x in enumerate(leaves)],
-                            jnp.float32,
-                        )
-                        for b in range(owned.ranks)
-                    ]
-                )
+                jnp.stack([
+                    _segment(owned, d, owned.owner(dom, b), [self._local(i, x, b) for i, x in enumerate(leaves)],
+                             jnp.float32)
+                    for b in range(owned.ranks)
+                ])
                 for d, dom in enumerate(owned.domains)
-            )
+            )  # fmt: skip
         model = dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(opt_state.inner_state)[0])
         rows: dict[str, list] = {k: [] for k in self.state.sizes}
         for b in range(owned.ranks):
             layout = self.state.layouts[b]
-            abstract = jax.tree.unflatten(
-                layout.treedef, [jax.ShapeDtypeStruct(s, name) for name, _, s in layout.leaves]
-            )
-
-            def leaf(path, like, b=b):
-                path = tuple(path)
-                i = self._param_leaf(path)
-                x = model[path]
-                return x if i is None or not like.shape else self._slice(i, x, b).reshape(like.shape)
-
-            packed = self.state.pack(b, jax.tree_util.tree_map_with_path(leaf, abstract))
-            for k, v in packed.items():
+            leaves = []
+            for path in layout.paths:
+                i = self.kinds[path]
+                leaves.append(model[path] if i is None else self._local(i, model[path], b, layers=True))
+            for k, v in self.state.pack(b, jax.tree.unflatten(layout.treedef, leaves)).items():
                 rows[k].append(v)
-        inner = {k: jnp.stack(v) for k, v in rows.items()}
-        return ZeroState(mains, inner, opt_state.grad_scaler)
-
-    def _local(self, i: int, x: jax.Array, b: int) -> jax.Array:
-        """A global main param -> its local value on rank `b` (ep slice), all layers (for `_segment`)."""
-        ep_dim = self._ep_dim(i)
-        if ep_dim is None:
-            return x
-        size = x.shape[ep_dim] // self.ep
-        return jax.lax.slice_in_dim(x, (b % self.ep) * size, (b % self.ep + 1) * size, axis=ep_dim)
+        return ZeroState(mains, {k: jnp.stack(v) for k, v in rows.items()}, opt_state.grad_scaler)

@@ -10,7 +10,7 @@ Each domain lays its pieces out in one *segment* per owner: the owner's pieces i
 contiguous, zero-padded to the largest segment `S`. The grads reach their owner by one reduce-scatter of
 a `[d, S]` buffer (row r = owner r's pieces), the owner steps its pieces whole, and one all-gather of
 the `[S]` segments returns every param: `d * S` elements each way, DDP's wire bytes when the segments
-balance (`Domain.balance`).
+balance (`Domain.loads`).
 
 Balance (`OwnedBalance`):
   elements: each piece, largest first, goes to the owner whose larger share, of the domain's elements
@@ -25,6 +25,7 @@ Both are deterministic; a rank that owns nothing holds an all-padding segment an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -62,15 +63,18 @@ class Domain:
 
     def owned(self, owner: int) -> tuple[Piece, ...]:
         """The pieces `owner` holds, in segment order."""
-        return tuple(p for p in self.pieces if p.owner == owner)
+        return self._by_owner.get(owner, ())
+
+    @functools.cached_property
+    def _by_owner(self) -> dict[int, tuple[Piece, ...]]:
+        out: dict[int, list[Piece]] = {}
+        for p in self.pieces:
+            out.setdefault(p.owner, []).append(p)
+        return {r: tuple(ps) for r, ps in out.items()}
 
     def loads(self) -> list[int]:
         """Elements each owner holds (before padding)."""
         return [sum(p.numel for p in self.owned(r)) for r in range(self.d)]
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,18 +106,31 @@ class OwnedPlan:
 
     def owned_layers(self, branch: int, leaf: int) -> list[int | None]:
         """The layers (or [None]: the whole param) of `leaf` that rank `branch` owns, ascending."""
-        return [p.layer for _, _, p in self.pieces_of(branch) if p.leaf == leaf]
+        return self._layers.get((branch, leaf), [])
 
     def domain_of(self, leaf: int) -> int:
-        return next(i for i, dom in enumerate(self.domains) if any(p.leaf == leaf for p in dom.pieces))
+        return self._domains[leaf]
+
+    @functools.cached_property
+    def _layers(self) -> dict[tuple[int, int], list[int | None]]:
+        out: dict[tuple[int, int], list[int | None]] = {}
+        for b in range(self.ranks):
+            for _, _, p in self.pieces_of(b):
+                out.setdefault((b, p.leaf), []).append(p.layer)
+        return out
+
+    @functools.cached_property
+    def _domains(self) -> dict[int, int]:
+        return {p.leaf: i for i, dom in enumerate(self.domains) for p in dom.pieces}
 
 
 def _deal(numels: list[int], d: int, balance: OwnedBalance, states: list[float] | None = None) -> list[int]:
     """The owner of each piece (module docstring); `states`: each piece's optimizer-state elements."""
     if balance == OwnedBalance.MEGATRON:
-        order = sorted(range(len(numels)), key=lambda i: numels[i])
-        loop = list(range(d)) + list(reversed(range(d)))
-        return [loop[order.index(i) % len(loop)] for i in range(len(numels))]
+        loop, owners = list(range(d)) + list(reversed(range(d))), [0] * len(numels)
+        for k, i in enumerate(sorted(range(len(numels)), key=lambda i: numels[i])):
+            owners[i] = loop[k % len(loop)]
+        return owners
     states = states or [0.0] * len(numels)
     total = (max(1, sum(numels)), max(1.0, sum(states)))
     order = sorted(range(len(numels)), key=lambda i: -(numels[i] / total[0] + states[i] / total[1]))
@@ -134,9 +151,13 @@ def _local_shape(plan: ShardingPlan, t: TensorPlan) -> tuple[int, ...]:
 
 
 def make_owned_plan(
-    plan: ShardingPlan, balance: OwnedBalance | str = OwnedBalance.ELEMENTS, state: list[float] | None = None
+    plan: ShardingPlan, balance: OwnedBalance | str = OwnedBalance.ELEMENTS, state: list[float] | None = None,
+    whole: frozenset[int] = frozenset(),
 ) -> OwnedPlan:
     """The ownership of `plan`'s params (module docstring).
+
+    `state`: per param its optimizer-state elements per element (`elements` balances them too); `whole`: the
+    stacked params (leaves indices) owned whole, not by layer (a chain that couples their layers).
 
     Raises ConfigError for a param split over tp (whole-tensor ownership needs the whole tensor on its
     owner: the layout runs with tp = 1) and for a stacked unit with more than one layer dim.
@@ -149,6 +170,8 @@ def make_owned_plan(
                 f"zero.path=owned: param {t.name} is split over tp; whole-tensor ownership needs each param "
                 "whole on its owner, so it runs with mesh.tp=1 (use zero.path=spec or flat with tensor parallelism)"
             )
+        if t.numel == 0:
+            raise ConfigError(f"zero.path=owned: param {t.name} has shape {tuple(t.shape)}, 0 elements: leave it out")
         if (t.unit_dims or 0) > 1:
             raise ConfigError(f"zero.path=owned: param {t.name} has {t.unit_dims} stacked-layer dims; at most 1")
     outer = ("dp_outer",) if plan.hsdp else ()
@@ -156,7 +179,7 @@ def make_owned_plan(
     dense = dense or tuple(a for a in ("dp_outer", "dp", "ep") if a not in outer)
     ranks = axes_size(plan.mesh, dense)
     local = tuple(_local_shape(plan, t) for t in tensors)
-    stacked = tuple(bool(t.unit_dims) and len(t.shape) > 1 for t in tensors)
+    stacked = tuple(bool(t.unit_dims) and len(t.shape) > 1 and i not in whole for i, t in enumerate(tensors))
     by_axes: dict[tuple[str, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         by_axes.setdefault(t.inner_axes, []).append(i)
@@ -181,7 +204,8 @@ def make_owned_plan(
 
 
 def describe(owned: OwnedPlan, names: list[str]) -> list[str]:
-    """Lines for `jzero layout`: per domain and owner, its elements and the pieces it owns."""
+    """Lines for `jzero layout`: per domain and owner, its elements and the pieces it owns. An owner is its
+    index in the domain: in the expert domain, the expert-DP index, the same pieces on every ep rank."""
     lines = []
     for dom in owned.domains:
         lines.append(

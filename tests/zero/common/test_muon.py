@@ -274,6 +274,13 @@ def test_gpt_matrices_are_megatrons():
     np.testing.assert_array_equal(orthogonalize(proj, MatrixView(2), 0, **ns), want.reshape(4, 4, d))
 
 
+def test_scale_modes_read_matrices_as_in_out():
+    """A matrix [in, out] (jzero's kernels, `MatrixView.rows` the input side): Megatron's size_out is its last dim."""
+    assert scale_factor((2, 8), "shape_scaling") == 2.0  # sqrt(max(1, out / in))
+    assert scale_factor((8, 2), "shape_scaling") == 1.0
+    assert scale_factor((2, 8), "unit_rms_norm") == 2.0 and scale_factor((2, 8)) == np.sqrt(8)
+
+
 def test_zero1_steps_what_one_device_steps():
     """ZeRO-1 (state split over dp 4: the momentum of w [16, 6] is sharded) steps as no_shard does,
     a stacked [3, 8, 5] param orthogonalised per layer."""

@@ -280,3 +280,73 @@ def test_hsdp_and_bf16_moments_match_plain_optax():
         params[path] = _train(pytree.build("optim", path, dp=4, inner=inner), batches)[0].params
     for name in params["spec"]:
         np.testing.assert_allclose(params["owned"][name], params["spec"][name], rtol=1e-6, atol=1e-7)
+
+
+def _stacked(layers: int):
+    """A stacked unit param `[L, 8, 6]` (owned by layer) beside a matrix: params, loss, units."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {"blocks": 0.3 * jax.random.normal(keys[0], (layers, 8, 6)), "w": 0.3 * jax.random.normal(keys[1], (6, 5))}
+
+    def loss(params, batch):
+        h = batch["x"][:, :8]
+        for i in range(layers):
+            h = jnp.tanh(h @ params["blocks"][i]) @ params["blocks"][i].T
+        return jnp.mean((jnp.tanh(h @ params["blocks"][0]) @ params["w"] - batch["y"][:, :5]) ** 2)
+
+    return params, loss, {"blocks": 1, "w": None}
+
+
+@pytest.mark.parametrize("layers", [4, 16])
+def test_adafactor_on_a_stack_owns_it_whole(layers):
+    """Adafactor couples a stack's layers (its block RMS over the whole param; at 16 layers it also factors
+    the layer dim): its owner holds the stack whole, so it trains as plain optax; its factored state goes to
+    model space (the spec layout's, to rounding) and back bitwise."""
+    params, loss, units = _stacked(layers)
+    inner = lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4)  # noqa: E731
+    batches = [pytree.batch(seed) for seed in range(2)]
+    states = {}
+    for path in ("owned", "spec"):
+        abstract, specs = jax.eval_shape(lambda: params), jax.tree.map(lambda _: P(), params)
+        config = ZeroConfig("optim", path, overlap_grad_reduce=False)  # the loss runs no `unit`
+        zero = build_zero(loss, inner(), pytree.mesh(2), abstract, specs, config, units=units)
+        state = zero.init_state(lambda: params)
+        for b in batches:
+            state, _ = zero.step(state, b)
+        states[path] = (zero, state)
+    zero, state = states["owned"]
+    assert zero.layout.owned.stacked == (False, False)
+    spec_zero, spec_state = states["spec"]
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(spec_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    model = jax.jit(zero.to_model_space)(state.opt_state)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(spec_zero.to_model_space(spec_state.opt_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(jax.jit(zero.from_model_space)(model)), jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_size_rule_beyond_the_miniature_owns_the_stack_whole():
+    """Adafactor without its block RMS steps each layer alone on the miniature, but at [130, 130, 4] it factors
+    the layer dim, which one layer [1, 130, 4] would not: traced at both shapes, the stack is owned whole."""
+    abstract = {
+        "blocks": jax.ShapeDtypeStruct((130, 130, 4), jnp.float32),
+        "w": jax.ShapeDtypeStruct((4, 5), jnp.float32),
+    }
+    inner = optax.adafactor(1e-2, clipping_threshold=None, multiply_by_parameter_scale=False)
+    zero = build_zero(lambda p, b: 0.0, inner, pytree.mesh(2), abstract, jax.tree.map(lambda _: P(), abstract),
+                      ZeroConfig("optim", "owned"), units={"blocks": 1, "w": None})  # fmt: skip
+    assert zero.layout.owned.stacked == (False, False)
+    one_layer = optax.adam(1e-2)  # steps every layer alone: owned by layer
+    zero = build_zero(lambda p, b: 0.0, one_layer, pytree.mesh(2), abstract, jax.tree.map(lambda _: P(), abstract),
+                      ZeroConfig("optim", "owned"), units={"blocks": 1, "w": None})  # fmt: skip
+    assert zero.layout.owned.stacked == (True, False)
+
+
+def test_refuses_a_chain_that_couples_experts():
+    """A trust ratio over a whole expert param [E, m, n]: each ep rank would take it over its own experts."""
+    abstract = {"experts": jax.ShapeDtypeStruct((4, 8, 6), jnp.float32), "w": jax.ShapeDtypeStruct((6, 5), jnp.float32)}
+    specs = {"experts": P("ep", None, None), "w": P()}
+    inner = optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-1e-2))
+    with pytest.raises(ConfigError, match="differently alone than among all params"):
+        build_zero(lambda p, b, ep_axis=None: 0.0, inner, pytree.mesh(2, ep=2), abstract, specs,
+                   ZeroConfig("optim", "owned"), is_expert={"experts": True, "w": False})  # fmt: skip
