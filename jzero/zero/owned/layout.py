@@ -85,8 +85,9 @@ class _StateLayout:
 
 
 def _view(owned: OwnedPlan, branch: int, segments: list[jax.Array], treedef) -> PyTree:
-    """The params tree as rank `branch` steps it: each param it owns (a stacked one: its owned layers
-    `[k, ...]`) read from its segment, `MASKED` elsewhere."""
+    """The params tree as rank `branch` steps it (inside shard_map, or on global values in model-space
+    conversions): each param it owns (a stacked one: its owned layers `[k, ...]`) read from its segments
+    `[S]`, one per domain, `MASKED` elsewhere."""
     out = [MASKED] * len(owned.local_shapes)
     for d, dom in enumerate(owned.domains):
         pieces = dom.owned(owned.owner(dom, branch))
@@ -131,7 +132,8 @@ def _pack_view(owned: OwnedPlan, branch: int, view: PyTree, dtype) -> list[jax.A
 
 
 def _unpack(owned: OwnedPlan, gathered: list[jax.Array], n_leaves: int) -> list[jax.Array]:
-    """Every param's local value from the all-gathered segments (per domain `[d, S]`)."""
+    """Per rank, inside shard_map: every param's local value (ep-local experts) from the all-gathered
+    segments, per domain `[d, S]`."""
     out: list = [None] * n_leaves
     for d, dom in enumerate(owned.domains):
         layers: dict[int, list] = {}
@@ -256,10 +258,10 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         for d, dom in enumerate(owned.domains):
             step = chunk or -(-dom.size // max(1, -(-dom.size // REDUCE_CHUNK)))
             segs = []
-            for a in range(0, dom.size, step):  # a [d, step] part of the [d, S] buffer at a time
-                b = min(dom.size, a + step)
-                buf = jnp.stack([_segment_part(owned, d, r, leaves, reduce_dtype, a, b) for r in range(dom.d)])
-                segs.append(jax.lax.psum_scatter(buf, dom.axes, scatter_dimension=0, tiled=True))  # [1, b - a]
+            for start in range(0, dom.size, step):  # a [d, step] part of the [d, S] buffer at a time
+                stop = min(dom.size, start + step)
+                buf = jnp.stack([_segment_part(owned, d, r, leaves, reduce_dtype, start, stop) for r in range(dom.d)])
+                segs.append(jax.lax.psum_scatter(buf, dom.axes, scatter_dimension=0, tiled=True))  # [1, stop - start]
             seg = jnp.concatenate(segs, axis=1)  # [1, S]
             out.append(jax.lax.psum(seg, outer) if outer else seg)
         return tuple(out)
