@@ -69,7 +69,8 @@ class TokenDType(str, enum.Enum):
 
 
 class MlpKind(str, enum.Enum):
-    GELU = "gelu"  # GPT-2: fc2(gelu(fc1(x)))
+    GELU = "gelu"  # GPT-2: fc2(gelu(fc1(x))), gelu's tanh approximation (GPT-2's, nanoGPT's)
+    GELU_EXACT = "gelu_exact"  # the same with the exact (erf) GELU: Megatron-LM's GPT, whatever --openai-gelu says
     SWIGLU = "swiglu"  # LLaMA: fc2(silu(x W_gate) * (x W_up)), fc1 holds [gate, up]
 
 

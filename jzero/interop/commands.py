@@ -10,6 +10,7 @@ runs, so the parser costs nothing.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
@@ -102,6 +103,8 @@ def _cmd_import(args) -> int:
         ckpt.close(check=not failed)
     for note in [*ck.notes, *_hyperparameter_notes(ck, cfg)]:
         print(f"note: {note}")
+    if cfg.model.mlp == MlpKind.GELU:
+        print(TANH_GELU_NOTE, file=sys.stderr)
     print(
         f"imported Megatron iteration {ck.iteration} ({ck.format}, {len(ck.model)} params) from {ck.path} as jzero "
         f"step {ck.iteration} in {Path(args.out).resolve()}\n"
@@ -146,6 +149,14 @@ def hyperparams(cfg: Config):
     )  # fmt: skip
 
 
+# Megatron-LM's GPTModel computes the exact (erf) GELU whatever --openai-gelu says (core_v0.16.1 and main).
+TANH_GELU_NOTE = (
+    "jzero: note: model.mlp=gelu is GELU's tanh approximation; Megatron-LM's GPT computes the exact (erf) GELU "
+    "whatever --openai-gelu says, so the run continues with another function than it trained with (model.mlp="
+    "gelu_exact moves it between the two unchanged)"
+)
+
+
 def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
     """The Megatron-LM flags that describe the config's GPT, optimizer and schedule, to continue an export."""
     m, o, hp = cfg.model, cfg.optimizer, hyperparams(cfg)
@@ -156,7 +167,8 @@ def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
     ]  # fmt: skip
     if m.n_kv_heads and m.n_kv_heads != m.n_heads:
         flags.append(f"--group-query-attention --num-query-groups {m.n_kv_heads}")
-    flags.append("--swiglu" if m.mlp == MlpKind.SWIGLU else "--openai-gelu")
+    if m.mlp == MlpKind.SWIGLU:
+        flags.append("--swiglu")  # model.mlp=gelu_exact: Megatron's default GELU, no flag
     if m.norm == NormKind.RMSNORM:
         flags.append("--normalization RMSNorm")
     if not m.bias:
@@ -202,6 +214,8 @@ def _cmd_export(args) -> int:
         f"continue it in Megatron-LM (pretrain_gpt.py with your data and tokenizer; the vocabulary padded to "
         f"model.vocab_size={cfg.model.vocab_size}):\n  {megatron_flags(cfg, args.bucket_size, args.out)}"
     )
+    if cfg.model.mlp == MlpKind.GELU:
+        print(TANH_GELU_NOTE, file=sys.stderr)
     return 0
 
 

@@ -128,7 +128,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
         d, f = cfg.d_model, cfg.d_ff
-        self.swiglu = cfg.mlp == MlpKind.SWIGLU
+        self.swiglu, self.exact = cfg.mlp == MlpKind.SWIGLU, cfg.mlp == MlpKind.GELU_EXACT
         fc1 = (d, 2, f) if self.swiglu else (d, f)
         self.fc1 = _linear(rngs, fc1, 0.02, dtype, fc1[1:] if cfg.bias else None)
         self.fc2 = _linear(rngs, (f, d), out_std, dtype, (d,) if cfg.bias else None)
@@ -140,7 +140,8 @@ class MLP(nnx.Module):
                 gate, up = gate + self.fc1["bias"][0], up + self.fc1["bias"][1]
             h = jax.nn.silu(gate) * up  # [B, T, F_tp]
         else:
-            h = jax.nn.gelu(_add_bias(x @ self.fc1["kernel"][...], self.fc1))  # [B, T, F_tp]
+            h = _add_bias(x @ self.fc1["kernel"][...], self.fc1)  # [B, T, F_tp]
+            h = jax.nn.gelu(h, approximate=not self.exact)  # gelu: tanh; gelu_exact: erf (Megatron's)
         return _add_bias(_reduce_tp(h @ self.fc2["kernel"][...], tp_axis), self.fc2)
 
 
@@ -153,7 +154,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
         d, f, e = cfg.d_model, cfg.d_ff, cfg.moe.num_experts
-        self.swiglu = cfg.mlp == MlpKind.SWIGLU
+        self.swiglu, self.exact = cfg.mlp == MlpKind.SWIGLU, cfg.mlp == MlpKind.GELU_EXACT
         self.options = cfg.moe
         fc1 = (e, d, 2, f) if self.swiglu else (e, d, f)
         self.router = nnx.Dict(kernel=normal(rngs, (d, e), 0.02, dtype))
@@ -166,7 +167,7 @@ class MoE(nnx.Module):
         if self.swiglu:
             h = h if b1 is None else h + b1
             return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-        return jax.nn.gelu(h if b1 is None else h + b1)
+        return jax.nn.gelu(h if b1 is None else h + b1, approximate=not self.exact)
 
     def _experts(self, x, tp_axis):  # x [E_ep, S, D] slots of the local experts
         fc1, fc2 = self.experts["fc1"], self.experts["fc2"]

@@ -223,3 +223,16 @@ def test_cli_bad_input_is_one_line(argv, flags, needle, tmp_path, capsys):
     assert main(["ckpt", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and err.startswith("jzero: error: "), err
+
+
+def test_exported_flags_name_megatrons_gelu():
+    """Megatron-LM's GPT computes the exact GELU whatever --openai-gelu says: a `gelu_exact` model exports
+    with no GELU flag (Megatron's default), swiglu with --swiglu, and nothing claims --openai-gelu; a tanh
+    `gelu` model's moves carry a note that the function changes (`TANH_GELU_NOTE`)."""
+    from jzero.interop.commands import TANH_GELU_NOTE, megatron_flags
+
+    for model in ({**GPT2, "mlp": "gelu_exact"}, GPT2):
+        flags = megatron_flags(from_dict({"model": model, "data": {"kind": "synthetic"}}), None, "out")
+        assert "gelu" not in flags and "--swiglu" not in flags
+    assert "--swiglu" in megatron_flags(from_dict({"model": LLAMA, "data": {"kind": "synthetic"}}), None, "out")
+    assert "model.mlp=gelu_exact" in TANH_GELU_NOTE and "exact (erf) GELU" in TANH_GELU_NOTE

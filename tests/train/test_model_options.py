@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_matches_reference, tiny_config
-from jzero.config import ConfigError, ModelConfig, PosKind, load_config
+from jzero.config import ConfigError, ModelConfig, MoEConfig, PosKind, load_config
 from jzero.train.layers import Attention, Keys
 from jzero.train.model import GPTModel
 
@@ -113,7 +113,7 @@ def test_llama_options_match_single_device_optax(path):
         (["model.n_kv_heads=3"], "model.n_heads=4 must be divisible by model.n_kv_heads=3"),
         (["model.n_kv_heads=1", "mesh.dp=4", "mesh.tp=2"], "model.n_kv_heads=1 must be divisible by mesh.tp=2"),
         (["model.pos=rope", "model.d_model=12", "model.n_heads=4"], "even head dim"),
-        (["model.mlp=relu"], "model.mlp='relu' is not one of: gelu, swiglu"),
+        (["model.mlp=relu"], "model.mlp='relu' is not one of: gelu, gelu_exact, swiglu"),
     ],
 )
 def test_bad_model_options(overrides, needle):
@@ -137,6 +137,35 @@ def test_swiglu_with_biases():
     gate, up = x @ w1[:, 0] + b1[0], x @ w1[:, 1] + b1[1]
     want = (gate / (1 + np.exp(-gate)) * up) @ w2 + b2
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mlp, experts", [("gelu_exact", 0), ("gelu_exact", 2), ("gelu", 0)])
+def test_gelu_exact_is_megatrons_erf_gelu(mlp, experts):
+    """`model.mlp: gelu_exact` is the exact (erf) GELU, Megatron-LM's GPT's; `gelu` GELU's tanh approximation,
+    which differs from it by up to ~1e-3 (in the dense MLP and in MoE experts alike)."""
+    from math import erf
+
+    from jzero.train.layers import MLP, MoE
+
+    moe = MoEConfig(num_experts=experts, top_k=1, capacity_factor=None) if experts else MoEConfig()
+    cfg = ModelConfig(vocab_size=64, d_model=8, n_layers=1, n_heads=2, d_ff=6, seq_len=4, mlp=mlp, bias=False, moe=moe)
+    layer = (MoE if experts else MLP)(cfg, nnx.Rngs(0), jnp.float32, 0.5)
+    captured = {}
+    real_gelu = jax.nn.gelu
+
+    def spy(x, approximate=True):
+        captured["approximate"], captured["x"] = approximate, np.asarray(x, np.float64)
+        return real_gelu(x, approximate=approximate)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 8)), jnp.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.nn, "gelu", spy)
+        layer(x)
+    assert captured["approximate"] == (mlp == "gelu")
+    h = captured["x"]
+    exact = 0.5 * h * (1 + np.vectorize(erf)(h / np.sqrt(2)))
+    got = np.asarray(real_gelu(jnp.asarray(h, jnp.float32), approximate=mlp == "gelu"))
+    np.testing.assert_allclose(got, exact, atol=1e-6 if mlp == "gelu_exact" else 1e-3)
 
 
 def test_the_init_keys_are_nnx_rngs_keys_counted_in_python():
