@@ -163,6 +163,9 @@ class ModelConfig:
     mlp: MlpKind = MlpKind.GELU  # swiglu: fc1/kernel[D, 2, F_tp] (gate, up), fc2 row-parallel
     norm: NormKind = NormKind.LAYERNORM
     bias: bool = True  # biases of attn/proj, mlp/fc1, mlp/fc2 and layernorm (LLaMA: none)
+    # attn/qkv/bias [R + 2, G_tp, K]: Megatron's --add-bias-linear QKV bias (GPT-2's c_attn bias). Off by default:
+    # the key part cannot change the output (softmax is shift-invariant), its grad is rounding noise.
+    qkv_bias: bool = False
     n_kv_heads: int | None = None  # grouped-query attention (LLaMA-2-70B: 8); None = n_heads
     pos: PosKind = PosKind.LEARNED
     scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them

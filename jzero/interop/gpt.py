@@ -12,7 +12,8 @@ the jzero param each key holds (torch's Linear stores `[out, in]` and computes `
     self_attention.linear_qkv.weight             attn/qkv/kernel [D, R + 2, G, K]: Megatron's rows are
       [G * (R + 2) * K, D]                         per query group g its R query heads, then its key and
                                                    value, K rows each: row (g * (R + 2) + s) * K + k
-    self_attention.linear_qkv.bias               none: jzero's attention has no QKV bias
+    self_attention.linear_qkv.bias               attn/qkv/bias [R + 2, G, K] with model.qkv_bias, as the
+      [G * (R + 2) * K]                            kernel's rows; none without it
     pre_mlp_layernorm.weight, .bias [D]          ln2/scale, ln2/bias
     mlp.linear_fc1.weight [F, D] or [2F, D]      mlp/fc1/kernel [D, F], or swiglu's [D, 2, F] (gate rows
                                                    first, then up: Megatron's glu chunks them so)
@@ -23,8 +24,8 @@ the jzero param each key holds (torch's Linear stores `[out, in]` and computes `
 
 plus `<module>._extra_state` (None) after each Linear (linear_proj, linear_qkv, linear_fc1, linear_fc2,
 output_layer), which Megatron's strict load expects. Where Megatron has a param jzero's model has
-not (the QKV bias under `--add-bias-linear`, a LayerNorm bias for a bias-free jzero model), the
-export writes zeros, the same function, and the import refuses a nonzero one. Every conversion is a
+not (the QKV bias under `--add-bias-linear` without `model.qkv_bias`, a LayerNorm bias for a bias-free
+jzero model), the export writes zeros, the same function, and the import refuses a nonzero one. Every conversion is a
 reshape or transpose: exact both ways, for the params and the optimizer's moments alike.
 
 A names file (`read_names_file`) is a JSON object of the same mapping for Megatron models named
@@ -79,7 +80,8 @@ def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
         start = len(out)
         norm(f"{m}.input_layernorm", f"{j}ln1")
         linear(f"{m}.self_attention.linear_proj", f"{j}attn/proj", f"{j}attn/proj/bias" if cfg.bias else False)
-        linear(f"{m}.self_attention.linear_qkv", f"{j}attn/qkv", None if cfg.bias else False)
+        qkv_bias = f"{j}attn/qkv/bias" if cfg.qkv_bias else None if cfg.bias else False
+        linear(f"{m}.self_attention.linear_qkv", f"{j}attn/qkv", qkv_bias)
         norm(f"{m}.pre_mlp_layernorm", f"{j}ln2")
         linear(f"{m}.mlp.linear_fc1", f"{j}mlp/fc1", f"{j}mlp/fc1/bias" if cfg.bias else False)
         linear(f"{m}.mlp.linear_fc2", f"{j}mlp/fc2", f"{j}mlp/fc2/bias" if cfg.bias else False)
@@ -113,6 +115,11 @@ def _qkv(shape) -> tuple[Callable, Callable]:
             lambda w: w.reshape(g, s, k, d).transpose(3, 1, 0, 2))  # fmt: skip
 
 
+def _qkv_bias(shape) -> tuple[Callable, Callable]:
+    s, g, k = shape  # [R + 2, G, K] -> [G * (R + 2) * K], as the kernel's rows
+    return lambda x: x.transpose(1, 0, 2).reshape(-1), lambda w: w.reshape(g, s, k).transpose(1, 0, 2)
+
+
 def _proj(shape) -> tuple[Callable, Callable]:
     h, k, d = shape  # [H, K, D] -> [D, H * K]
     return lambda x: x.reshape(h * k, d).T, lambda w: w.T.reshape(h, k, d)
@@ -139,6 +146,7 @@ def _same(shape) -> tuple[Callable, Callable]:
 
 _ROLES = (  # jzero path suffix -> conversion of one layer's array (by its jzero shape)
     (r"attn/qkv/kernel$", _qkv),
+    (r"attn/qkv/bias$", _qkv_bias),
     (r"attn/proj/kernel$", _proj),
     (r"mlp/fc1/kernel$", _fc1),
     (r"mlp/fc1/bias$", _flat),
@@ -215,7 +223,7 @@ def gpt_names(abstract_params: PyTree, names: dict[str, str | None]) -> tuple[Py
                     if np.any(got[extra] != 0):
                         raise InteropError(
                             f"Megatron's {extra} is not zero, and jzero's model has no such param (a QKV bias: "
-                            "train Megatron with --disable-bias-linear; a LayerNorm bias: jzero's model.bias)"
+                            "set model.qkv_bias=true; a LayerNorm bias: jzero's model.bias)"
                         )
             parts = [back(got[layers[i]]) for i in order]
             return parts[0] if not stacked else np.stack(parts)

@@ -102,14 +102,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype, out_std: float):
         d, h = cfg.d_model, cfg.n_heads
         g = cfg.n_kv_heads or h
-        # No QKV bias: the key bias cannot change the output (softmax is shift-invariant), so
-        # its true gradient is 0 and Adam would turn rounding noise into full-size steps.
-        self.qkv = nnx.Dict(kernel=normal(rngs, (d, h // g + 2, g, d // h), 0.02, dtype))
+        # A QKV bias only with model.qkv_bias (Megatron's): its key part cannot change the output (softmax is
+        # shift-invariant), so its true gradient is 0 and Adam turns rounding noise into full-size steps.
+        qkv = (d, h // g + 2, g, d // h)  # bias: [R + 2, G_tp, K]
+        self.qkv = _linear(rngs, qkv, 0.02, dtype, qkv[1:] if cfg.qkv_bias else None)
         self.proj = _linear(rngs, (h, d // h, d), out_std, dtype, (d,) if cfg.bias else None)
         self.rope = cfg.pos == PosKind.ROPE
 
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         qkv = jnp.einsum("btd,dsgk->sbtgk", x, self.qkv["kernel"][...])
+        if "bias" in self.qkv:
+            qkv = qkv + self.qkv["bias"][...][:, None, None]  # [R + 2, 1, 1, G_tp, K]
         q, k, v = qkv[:-2], qkv[-2], qkv[-1]  # q [R, B, T, G, K]; k, v [B, T, G, K]
         if self.rope:
             q, k = rope(q), rope(k)

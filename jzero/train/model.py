@@ -7,6 +7,7 @@ row-parallel proj/FC2):
   tok_emb[V, D]  pos_emb[T, D] (pos=learned only)  head[D, V] (untied only)
   attn/qkv/kernel[D, R + 2, G_tp, K]   per kv group: its R query heads, then key, value
                                        (Megatron's grouped layout; [D, 3, H_tp, K] without GQA)
+  attn/qkv/bias[R + 2, G_tp, K]        with model.qkv_bias (Megatron's --add-bias-linear)
   attn/proj/kernel[H_tp, K, D]         query head h = g * R + r
   mlp/fc1/kernel[D, F_tp]              swiglu: [D, 2, F_tp] (gate, up)
   mlp/fc2/kernel[F_tp, D]
@@ -45,6 +46,7 @@ from jzero.zero.common.muon import MatrixView
 # extra dims of the options (the [L] layer stack, swiglu's [2] gate/up pair) are never split.
 TP_RULES = (
     (r"attn/qkv/kernel$", P(None, None, "tp", None)),
+    (r"attn/qkv/bias$", P(None, "tp", None)),
     (r"attn/proj/kernel$", P("tp", None, None)),
     (r"mlp/fc1/kernel$", P(None, "tp")),
     (r"mlp/fc1/bias$", P("tp")),

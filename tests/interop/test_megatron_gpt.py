@@ -120,7 +120,7 @@ def test_conversion_is_exact_both_ways(model):
         r = next(x for x in leaves(names) if "decoder.layers.0.self_attention.linear_qkv.bias" in x.names)
         arrays = [out[n].copy() for n in r.names]
         arrays[r.names.index("decoder.layers.0.self_attention.linear_qkv.bias")][3] = 0.5
-        with pytest.raises(InteropError, match="linear_qkv.bias is not zero.*--disable-bias-linear"):
+        with pytest.raises(InteropError, match="linear_qkv.bias is not zero.*model.qkv_bias=true"):
             r.from_megatron(tuple(arrays))
 
 
@@ -236,3 +236,25 @@ def test_exported_flags_name_megatrons_gelu():
         assert "gelu" not in flags and "--swiglu" not in flags
     assert "--swiglu" in megatron_flags(from_dict({"model": LLAMA, "data": {"kind": "synthetic"}}), None, "out")
     assert "model.mlp=gelu_exact" in TANH_GELU_NOTE and "exact (erf) GELU" in TANH_GELU_NOTE
+
+
+def test_qkv_bias_moves_as_the_kernels_rows():
+    """With `model.qkv_bias` Megatron's linear_qkv.bias [G (R + 2) K] is attn/qkv/bias [R + 2, G, K], row for
+    row as the kernel (y = W x + b the same output in both layouts); both ways exact."""
+    cfg = from_dict({"model": {**GPT2, "n_kv_heads": 2, "qkv_bias": True}, "data": {"kind": "synthetic"}}).model
+    model = GPTModel(cfg)
+    params = jax.tree.map(lambda x: np.random.default_rng(x.size).standard_normal(x.shape).astype(np.float32),
+                          model.init())  # fmt: skip
+    tree, _ = gpt_names(jax.eval_shape(model.init), megatron_names(cfg))
+    renamed = tree["blocks"][0]["attn"]["qkv"]
+    (w,) = renamed["kernel"].to_megatron(params["blocks"][0]["attn"]["qkv"]["kernel"])
+    (b,) = renamed["bias"].to_megatron(params["blocks"][0]["attn"]["qkv"]["bias"])
+    assert renamed["bias"].names == ("decoder.layers.0.self_attention.linear_qkv.bias",)
+    x = np.random.default_rng(0).standard_normal(cfg.d_model).astype(np.float32)
+    ours = (
+        np.einsum("d,dsgk->sgk", x, params["blocks"][0]["attn"]["qkv"]["kernel"])
+        + params["blocks"][0]["attn"]["qkv"]["bias"]
+    )
+    theirs = renamed["bias"].from_megatron((w @ x + b,))
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(renamed["bias"].from_megatron((b,)), params["blocks"][0]["attn"]["qkv"]["bias"])

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_matches_reference, tiny_config
+from helpers import assert_matches_reference, reference_run, rel_param_errors, run_steps, tiny_config
 from jzero.config import ConfigError, ModelConfig, MoEConfig, PosKind, load_config
 from jzero.train.layers import Attention, Keys
 from jzero.train.model import GPTModel
@@ -178,3 +178,48 @@ def test_the_init_keys_are_nnx_rngs_keys_counted_in_python():
     traced = Keys(0)
     jax.eval_shape(lambda: [traced.params() for _ in range(4)])
     assert traced.count == 4
+
+
+def test_qkv_bias_is_megatrons():
+    """`model.qkv_bias`: attn/qkv/bias [R + 2, G, K], split over tp with its kernel's groups; a query or value
+    bias changes the logits, a key bias cannot (softmax is shift-invariant)."""
+    cfg = tiny_config(model={"n_kv_heads": 2, "qkv_bias": True}).model
+    model = GPTModel(cfg)
+    params = model.init()
+    bias = params["blocks"][0]["attn"]["qkv"]["bias"]
+    r = cfg.n_heads // 2
+    assert bias.shape == (r + 2, 2, cfg.d_model // cfg.n_heads)
+    assert model.tp_specs(params)["blocks"][0]["attn"]["qkv"]["bias"] == P(None, "tp", None)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.seq_len + 1)), jnp.int32)
+    base = model.loss_and_metrics(params, tokens)[0]
+
+    def with_bias(part):
+        value = jnp.zeros_like(bias).at[part].set(0.5)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: value if jax.tree_util.keystr(p).endswith("['qkv']['bias']") else x, params
+        )
+
+    assert abs(float(model.loss_and_metrics(with_bias(r), tokens)[0] - base)) < 1e-6  # the key part
+    assert abs(float(model.loss_and_metrics(with_bias(0), tokens)[0] - base)) > 1e-4  # a query head
+    assert abs(float(model.loss_and_metrics(with_bias(r + 1), tokens)[0] - base)) > 1e-4  # the value
+
+
+@pytest.mark.slow
+def test_qkv_bias_matches_single_device_optax():
+    """The QKV bias split over tp (dp 4 x tp 2, ZeRO-2): plain optax's losses, grad norms and params. Its key
+    part is left out of the params: its true grad is 0, so Adam steps rounding noise to full size in both
+    runs (why `model.qkv_bias` is off by default), and those steps change no output."""
+    cfg = tiny_config("optim_grads", (4, 1, 2), 1, model={"n_kv_heads": 2, "qkv_bias": True})
+    _, ref_losses, ref_norms, ref_params = reference_run(cfg)
+    _, _, losses, norms, state = run_steps(cfg)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+    r = cfg.model.n_heads // cfg.model.n_kv_heads
+    params, ref_params = jax.device_get(state.params), jax.device_get(ref_params)
+    for i in params["blocks"]:
+        ours, theirs = params["blocks"][i]["attn"]["qkv"], ref_params["blocks"][i]["attn"]["qkv"]
+        for qkv in (ours, theirs):  # the queries and the value, not the key
+            qkv["bias"], qkv["value"] = np.asarray(qkv["bias"])[:r], np.asarray(qkv["bias"])[r + 1]
+    errors = rel_param_errors(params, ref_params)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
