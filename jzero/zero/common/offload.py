@@ -146,6 +146,13 @@ def make_offload(fraction: float, names: list[str], numels: list[int], mask_of, 
     )
 
 
+def no_offload(shardings: ZeroState) -> Offload:
+    """An inactive `Offload` for a layout that keeps its whole state in device memory (the owned path)."""
+    none = lambda tree: jax.tree.map(lambda _: False, tree)  # noqa: E731
+    return make_offload(0.0, [], [], lambda _: state_mask(shardings, none(shardings.main_params),
+                                                          none(shardings.inner_state)), lambda _: ())  # fmt: skip
+
+
 def spec_offload(
     plan: ShardingPlan, inner: optax.GradientTransformation, shardings: ZeroState, fraction: float
 ) -> Offload:

@@ -50,7 +50,7 @@ from jzero.mesh import BATCH_AXES, OUTER_AXIS, axes_size, entry_axes
 from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common.batch import split_batch
-from jzero.zero.common.offload import make_offload, state_mask
+from jzero.zero.common.offload import no_offload
 from jzero.zero.common.probe import check_per_tensor, transformation_name
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import TrainState, ZeroState, keeps_main_params, loss_parts, model_state_shardings
@@ -93,10 +93,8 @@ def _view(owned: OwnedPlan, branch: int, segments: list[jax.Array], treedef) -> 
         pieces = dom.owned(owned.owner(dom, branch))
         for leaf in dict.fromkeys(p.leaf for p in pieces):
             mine = [p for p in pieces if p.leaf == leaf]
-            shape = owned.local_shapes[leaf]
-            shape = (len(mine), *shape[1:]) if owned.stacked[leaf] else shape
             start = mine[0].offset
-            out[leaf] = segments[d][start : start + sum(p.numel for p in mine)].reshape(shape)
+            out[leaf] = segments[d][start : start + sum(p.numel for p in mine)].reshape(owned.view_shape(branch, leaf))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -172,13 +170,8 @@ class _State:
 
     @staticmethod
     def _abstract_view(owned: OwnedPlan, branch: int, treedef) -> PyTree:
-        out = [MASKED] * len(owned.local_shapes)
-        for leaf, shape in enumerate(owned.local_shapes):
-            layers = owned.owned_layers(branch, leaf)
-            if layers:
-                out[leaf] = jax.ShapeDtypeStruct(
-                    (len(layers), *shape[1:]) if owned.stacked[leaf] else shape, jnp.float32
-                )
+        shapes = [owned.view_shape(branch, leaf) for leaf in range(len(owned.local_shapes))]
+        out = [MASKED if shape is None else jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
         return jax.tree.unflatten(treedef, out)
 
     def unpack(self, branch: int, rows: dict[str, jax.Array]) -> optax.OptState:
@@ -387,22 +380,12 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         None if loss_scale is None else scaler.shardings(mesh),
     )
     shardings = TrainState(
-        jax.tree.map(lambda t: NamedSharding(mesh, t.tp_spec), plan.tensors),
+        local_plan.param_shardings(),  # tp-split, replicated over DP
         opt_shardings,
         replicated,
         model_state_shardings(model_state, replicated),
     )
-    offload = make_offload(
-        0.0,
-        [],
-        [],
-        lambda _: state_mask(
-            opt_shardings,
-            jax.tree.map(lambda _: False, opt_shardings.main_params),
-            jax.tree.map(lambda _: False, opt_shardings.inner_state),
-        ),
-        lambda u: (),
-    )
+    offload = no_offload(opt_shardings)
 
     def grad_buffer(dtype) -> PyTree:
         if stage.shards_grads:
@@ -479,11 +462,7 @@ class _ModelSpace:
         t = self.tensors[i]
         if self.owned.stacked[i] and self._ep_dim(i) is None and shape and shape[0] == t.shape[0]:
             return all(s == (len(self.owned.owned_layers(b, i)), *shape[1:]) for b, s in held.items())
-        return shape == t.shape and all(s == self._view_shape(i, b) for b, s in held.items())
-
-    def _view_shape(self, leaf: int, b: int) -> tuple[int, ...]:
-        shape = self.owned.local_shapes[leaf]
-        return (len(self.owned.owned_layers(b, leaf)), *shape[1:]) if self.owned.stacked[leaf] else shape
+        return shape == t.shape and all(s == self.owned.view_shape(b, i) for b, s in held.items())
 
     def _ranks_of(self, leaf: int) -> list[tuple[int, int, list]]:
         """(branch, ep index, owned layers) of every rank holding part of `leaf` (each ep slice once)."""

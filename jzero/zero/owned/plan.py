@@ -108,6 +108,15 @@ class OwnedPlan:
         """The layers (or [None]: the whole param) of `leaf` that rank `branch` owns, ascending."""
         return self._layers.get((branch, leaf), [])
 
+    def view_shape(self, branch: int, leaf: int) -> tuple[int, ...] | None:
+        """The shape rank `branch` steps `leaf` at: its local shape, a stack's leading dim cut to the owned
+        layers; None where it owns none of it."""
+        layers = self.owned_layers(branch, leaf)
+        if not layers:
+            return None
+        shape = self.local_shapes[leaf]
+        return (len(layers), *shape[1:]) if self.stacked[leaf] else shape
+
     def domain_of(self, leaf: int) -> int:
         return self._domains[leaf]
 
