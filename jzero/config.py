@@ -23,6 +23,7 @@ import yaml
 from jzero.config_checks import BF16_MAX_DECAY, keyed, loss_scale, validate
 from jzero.config_schema import (
     GPT_IMPL,
+    AttentionImpl,
     AuxLossKind,
     CheckpointConfig,
     Config,
@@ -53,6 +54,7 @@ from jzero.errors import ConfigError
 __all__ = [
     "BF16_MAX_DECAY",
     "GPT_IMPL",
+    "AttentionImpl",
     "AuxLossKind",
     "CheckpointConfig",
     "Config",

@@ -17,6 +17,7 @@ from typing import Any
 
 from jzero.config_schema import (
     GPT_IMPL,
+    AttentionImpl,
     Config,
     DataKind,
     DType,
@@ -191,6 +192,24 @@ def _check_data(cfg: Config) -> None:
     _positive("train.eval_batches", t.eval_batches)
 
 
+def _check_attention(cfg: Config) -> None:
+    """`model.attention: cudnn` forced: cuDNN's fused kernel runs bf16/fp16 with head dims 8, 16, ..., 128."""
+    m, dtype = cfg.model, cfg.precision.param_dtype.value
+    head_dim = m.d_model // m.n_heads
+    if m.attention != AttentionImpl.CUDNN:
+        return
+    if dtype not in ("bfloat16", "float16"):
+        raise ConfigError(
+            f"model.attention=cudnn needs precision.param_dtype bfloat16 or float16 (cuDNN's fused attention), "
+            f"got {dtype}; model.attention=auto chooses for you"
+        )
+    if head_dim % 8 or head_dim > 128:
+        raise ConfigError(
+            f"model.attention=cudnn needs a head dim (model.d_model/model.n_heads) that is a multiple of 8 "
+            f"and at most 128, got {head_dim}; model.attention=auto chooses for you"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks values and cross-key constraints (can the mesh split this model and batch?)."""
     m, mesh, t, o = cfg.model, cfg.mesh, cfg.train, cfg.optimizer
@@ -215,6 +234,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"distributed.step_timeout_s={cfg.distributed.step_timeout_s} must be >= 0 (0 = off)")
     if m.impl == GPT_IMPL:
         _check_gpt(m, mesh)
+        _check_attention(cfg)
     # With mesh.dp=-1 the split is checked by resolve_mesh, once the device count is known.
     if mesh.dp != AUTO_DP and t.global_batch % (cfg.dp_domain_size * t.microbatches):
         raise ConfigError(

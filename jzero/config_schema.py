@@ -74,6 +74,23 @@ class MlpKind(str, enum.Enum):
     SWIGLU = "swiglu"  # LLaMA: fc2(silu(x W_gate) * (x W_up)), fc1 holds [gate, up]
 
 
+class AttentionImpl(str, enum.Enum):
+    """Which kernel `jax.nn.dot_product_attention` runs (its `implementation`)."""
+
+    AUTO = "auto"  # cudnn on a GPU for bf16/fp16 activations with a head dim cuDNN takes, else xla
+    XLA = "xla"  # XLA's softmax(q k^T) v: the [B, H, T, T] scores in fp32, on any backend
+    CUDNN = "cudnn"  # cuDNN's fused (flash) attention: GPU, bf16/fp16 only; the scores never stored
+
+    def kernel(self, dtype: str, head_dim: int, backend: str) -> str:
+        """The kernel this choice runs for `dtype` activations (a numpy name) with `head_dim` on JAX's
+        `backend`: auto is cuDNN's on "gpu" for bfloat16/float16 with a head dim it takes (a multiple of 8,
+        at most 128), else XLA's."""
+        if self != AttentionImpl.AUTO:
+            return self.value
+        fused = backend == "gpu" and dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+        return "cudnn" if fused else "xla"
+
+
 class NormKind(str, enum.Enum):
     LAYERNORM = "layernorm"  # scale and bias (bias only with model.bias)
     RMSNORM = "rmsnorm"  # scale only (LLaMA)
@@ -169,6 +186,7 @@ class ModelConfig:
     n_kv_heads: int | None = None  # grouped-query attention (LLaMA-2-70B: 8); None = n_heads
     pos: PosKind = PosKind.LEARNED
     scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them
+    attention: AttentionImpl = AttentionImpl.AUTO  # the attention kernel; auto: cuDNN's fused one where it runs
     remat: bool = False  # jax.checkpoint on each block: recompute its activations in backward
     moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jzero.config import Config, resolve_mesh
+from jzero.config import GPT_IMPL, AttentionImpl, Config, ConfigError, resolve_mesh
 from jzero.mesh import make_mesh
 from jzero.model import Model, make_model, model_state, training_loss, unit_key
 from jzero.optim import inner_optimizer, loss_scaling, param_groups
@@ -85,6 +85,8 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
     class `model.impl` names (`jzero.model.make_model`), its loss called with (params, batch).
     """
     devices = jax.devices() if devices is None else devices
+    if cfg.model.impl == GPT_IMPL and cfg.model.attention == AttentionImpl.CUDNN and devices[0].platform == "cpu":
+        raise ConfigError("model.attention=cudnn runs on GPUs only and these devices are CPUs; use auto or xla")
     cfg = resolve_mesh(cfg, len(devices))
     mesh = make_mesh(cfg.mesh, devices)
     model = make_model(cfg)

@@ -26,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jzero.config import Config, ConfigError, validate
+from jzero.config import GPT_IMPL, AttentionImpl, Config, ConfigError, validate
 from jzero.mesh import AUTO_DP, AXES
 from jzero.run import Run, build_run
 from jzero.zero.common.state import TrainState
@@ -188,6 +188,16 @@ def abstract_state(run: Run) -> TrainState:
     return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.zero.shardings, shapes)
 
 
+def as_on_gpu(cfg: Config) -> Config:
+    """`cfg` with jzero's GPT's `model.attention: auto` chosen as on a GPU (cuDNN's fused kernel for bf16/fp16):
+    a deviceless compile traces the step on this host, whose backend is not the target's."""
+    m = cfg.model
+    if m.impl != GPT_IMPL or m.attention != AttentionImpl.AUTO:
+        return cfg
+    kernel = m.attention.kernel(cfg.precision.param_dtype.value, m.d_model // m.n_heads, "gpu")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=AttentionImpl(kernel)))
+
+
 def compile_step(cfg: Config, target: str = CPU, topology: str | None = None, *, dump: bool = True) -> CompiledStep:
     """Builds `cfg`'s run on the target's devices and compiles one train step on abstract inputs.
 
@@ -203,6 +213,7 @@ def compile_step(cfg: Config, target: str = CPU, topology: str | None = None, *,
       ConfigError: the mesh does not fit the devices or topology, or the CUDA plugin is missing.
     """
     devices, topology = target_devices(cfg, target, topology)
+    cfg = cfg if target == CPU else as_on_gpu(cfg)
     run = setup_without_data(cfg, devices)  # resolves mesh.dp=-1 against the devices
     cfg = run.cfg
     state = abstract_state(run)

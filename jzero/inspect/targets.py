@@ -124,6 +124,32 @@ def cuda_plugin_available() -> bool:
     return True
 
 
+# The cuDNN a deviceless trace assumes: jax-cuda12-plugin's wheels bundle cuDNN 9.8 (cudnnGetVersion's 90800).
+DEVICELESS_CUDNN_VERSION = 90800
+
+
+def _cudnn_version_for_tracing() -> None:
+    """Lets cuDNN's fused attention trace on a host without cuDNN: JAX asks the local cuDNN its version when
+    the kernel is traced (to choose features), not when XLA compiles it; without one it gets
+    `DEVICELESS_CUDNN_VERSION`. Where cuDNN is installed, its own version still answers."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:  # a JAX without it: nothing to trace
+        return
+    asked = getattr(fused, "check_cudnn_version", None)
+    if asked is None or getattr(asked, "jzero_fallback", False):
+        return
+
+    def version() -> int:
+        try:
+            return asked()
+        except RuntimeError:  # "cuDNN not found."
+            return DEVICELESS_CUDNN_VERSION
+
+    version.jzero_fallback = True
+    fused.check_cudnn_version = version
+
+
 def gpu_topology(target: str, topology: str):
     """Compile-only devices for a pod of `target` GPUs laid out as `topology`.
 
@@ -147,6 +173,7 @@ def gpu_topology(target: str, topology: str):
     # No CUDA runtime here, so the plugin's version check would fail and JAX would drop
     # the plugin; the check only matters for running, not for compiling.
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    _cudnn_version_for_tracing()
     kwargs = dict(topology=" x ".join(map(str, shape)), target_config=TARGETS[target].config_text())
     try:
         return topologies.get_topology_desc("pod", "cuda", **kwargs)

@@ -14,8 +14,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jzero.config import MlpKind, ModelConfig, NormKind, PosKind, ScoreFunction
+from jzero.mesh import TP_AXIS
 from jzero.train import moe
 
 
@@ -94,6 +96,27 @@ def rope(x, theta: float = 10000.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def causal_attention(q, k, v, kernel: str):
+    """softmax(q k^T / sqrt(K)) v, causal, by `jax.nn.dot_product_attention`'s `kernel`: q [B, T, H, K], k and
+    v [B, T, G, K] -> [B, T, H, K], query head h = g * R + r attending kv head g.
+
+    cuDNN's kernel partitions itself under jit, but not inside a shard_map that leaves some mesh axes
+    to the partitioner (the spec path's data-parallel ranks; JAX 0.10 fails to compile it): there it
+    runs in a nested shard_map over those axes, its heads split over tp as the QKV kernel's are."""
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if kernel != "cudnn" or not mesh.manual_axes or not auto:
+        return attend(q, k, v)
+    heads = P(None, None, TP_AXIS if TP_AXIS in auto else None, None)
+    return jax.shard_map(attend, mesh=mesh, in_specs=heads, out_specs=heads, axis_names=set(auto), check_vma=False)(
+        q, k, v
+    )
+
+
 def _reduce_tp(x, tp_axis: str | None):
     return x if tp_axis is None else jax.lax.psum(x, tp_axis)
 
@@ -108,6 +131,7 @@ class Attention(nnx.Module):
         self.qkv = _linear(rngs, qkv, 0.02, dtype, qkv[1:] if cfg.qkv_bias else None)
         self.proj = _linear(rngs, (h, d // h, d), out_std, dtype, (d,) if cfg.bias else None)
         self.rope = cfg.pos == PosKind.ROPE
+        self.attention = cfg.attention
 
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         qkv = jnp.einsum("btd,dsgk->sbtgk", x, self.qkv["kernel"][...])
@@ -116,14 +140,10 @@ class Attention(nnx.Module):
         q, k, v = qkv[:-2], qkv[-2], qkv[-1]  # q [R, B, T, G, K]; k, v [B, T, G, K]
         if self.rope:
             q, k = rope(q), rope(k)
-        scores = jnp.einsum("rbtgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-        t = x.shape[1]
-        # `where`, not an added mask (the same bits): the added one keeps no [B, H, T, T] residual but
-        # XLA then leaves a ZeRO-3 backward gather exposed (docs/overlap.md, "Measured", memory).
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
-        out = jnp.einsum("bgrts,bsgk->btgrk", probs, v)
-        out = out.reshape(*out.shape[:2], -1, out.shape[-1])  # [B, T, H, K], h = g * R + r
+        # [B, T, H, K] with h = g * R + r, the grouping jax.nn.dot_product_attention's GQA reads.
+        q = jnp.moveaxis(q, 0, 3).reshape(*k.shape[:2], -1, k.shape[-1])
+        kernel = self.attention.kernel(jnp.dtype(q.dtype).name, q.shape[-1], jax.default_backend())
+        out = causal_attention(q, k, v, kernel)
         y = _reduce_tp(jnp.einsum("bthk,hkd->btd", out, self.proj["kernel"][...]), tp_axis)
         return _add_bias(y, self.proj)
 

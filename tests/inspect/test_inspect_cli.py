@@ -206,3 +206,25 @@ def test_deviceless_h100_memory_fits(tmp_path):
     # params and Adam sharded) + counters + batch.
     p, d = doc["params"], 8
     assert s["compiled"]["argument"] - (2 * p + 12 * p // d) in range(4 + 8 + 32 * 17 * 4 // 8 + 1)
+
+
+@needs_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, calls",
+    [
+        # cuDNN in a shard_map that leaves tp to the partitioner; forward, its recompute, backward
+        (["zero.path=spec", "mesh.tp=2", "model.scan_layers=true", "model.remat=true"], 3),
+        (["zero.path=flat"], 2),
+    ],
+)
+def test_deviceless_h100_bf16_attention_is_cudnns(extra, calls, capsys):
+    """model.attention=auto chooses cuDNN's fused kernel for a GPU target's bf16 step, on both paths (the spec
+    path's data-parallel ranks leave tp to the partitioner: the kernel runs in a nested shard_map there); the
+    fp32 step keeps XLA's attention and says so."""
+    bf16 = [*TINY, "precision.param_dtype=bfloat16", *extra]
+    assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim_grads"], bf16) == 0
+    out = capsys.readouterr().out
+    assert f"note: attention: cuDNN's fused kernel ({calls} __cudnn$fmha* custom calls)" in out
+    assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], TINY) == 0
+    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, float32" in capsys.readouterr().out

@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_matches_reference, reference_run, rel_param_errors, run_steps, tiny_config
-from jzero.config import ConfigError, ModelConfig, MoEConfig, PosKind, load_config
+from jzero.config import AttentionImpl, ConfigError, ModelConfig, MoEConfig, PosKind, load_config
+from jzero.run import build_run
 from jzero.train.layers import Attention, Keys
 from jzero.train.model import GPTModel
 
@@ -223,3 +224,41 @@ def test_qkv_bias_matches_single_device_optax():
     errors = rel_param_errors(params, ref_params)
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize(
+    "choice, dtype, head_dim, backend, kernel",
+    [
+        ("auto", "bfloat16", 64, "gpu", "cudnn"),
+        ("auto", "float16", 128, "gpu", "cudnn"),
+        ("auto", "float32", 64, "gpu", "xla"),  # cuDNN's kernel takes no fp32
+        ("auto", "bfloat16", 160, "gpu", "xla"),  # nor head dims over 128
+        ("auto", "bfloat16", 36, "gpu", "xla"),  # nor ones off multiples of 8
+        ("auto", "bfloat16", 64, "cpu", "xla"),
+        ("xla", "bfloat16", 64, "gpu", "xla"),
+        ("cudnn", "float32", 64, "cpu", "cudnn"),  # forced: validate and build_run refuse what cannot run
+    ],
+)
+def test_attention_kernel_choice(choice, dtype, head_dim, backend, kernel):
+    assert AttentionImpl(choice).kernel(dtype, head_dim, backend) == kernel
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.attention=cudnn"], "model.attention=cudnn needs precision.param_dtype bfloat16 or float16"),
+        (
+            ["model.attention=cudnn", "precision.param_dtype=bfloat16", "model.n_heads=2", "model.d_model=320"],
+            "model.attention=cudnn needs a head dim .* got 160",
+        ),
+    ],
+)
+def test_forced_cudnn_attention_refuses_what_it_cannot_run(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_forced_cudnn_attention_on_cpus_is_refused_when_built():
+    cfg = load_config(None, ["model.attention=cudnn", "precision.param_dtype=bfloat16", "model.n_layers=1"])
+    with pytest.raises(ConfigError, match="model.attention=cudnn runs on GPUs only and these devices are CPUs"):
+        build_run(cfg, jax.devices()[:1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 
 from jzero import model as protocol
+from jzero.config import GPT_IMPL
 from jzero.inspect import hlo
 from jzero.inspect.comms.records import CollectiveRow, Theory, Traffic
 from jzero.inspect.compile import CPU
@@ -25,9 +26,27 @@ def collect(c, static: Traffic, per_step: Traffic, theory: Theory, rows: list[Co
         *_reduce_scatter(c, static, theory),
         *_loops(c, per_step, theory),
         *_layout(c),
+        *_attention(c),
         *(["axes '-': a group of one device (a size-1 mesh axis, e.g. tp=1): no bytes move"]
           if any(not r.axes for r in rows) else []),
     ]  # fmt: skip
+
+
+CUDNN_ATTENTION = "__cudnn$fmha"  # the custom-call targets of cuDNN's fused attention, forward and backward
+
+
+def _attention(c) -> list[str]:
+    """Which attention kernel the program runs (jzero's GPT: `model.attention`)."""
+    text = c.compiled.as_text()
+    fused = text.count(f'custom_call_target="{CUDNN_ATTENTION}')
+    if fused:
+        return [f"attention: cuDNN's fused kernel ({fused} {CUDNN_ATTENTION}* custom calls), no [B, H, T, T] scores"]
+    if c.cfg.model.impl == GPT_IMPL and c.target != CPU:
+        return [
+            f"attention: XLA's, holding [B, H, T, T] scores (model.attention={c.cfg.model.attention.value}, "
+            f"{c.cfg.precision.param_dtype.value}; cuDNN's fused kernel takes bf16/fp16)"
+        ]
+    return []
 
 
 def _dtypes(c, rows: list[CollectiveRow]) -> list[str]:
