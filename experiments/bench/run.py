@@ -71,14 +71,32 @@ MODELS = {  # name: config overrides on configs/default.yaml
         "model.seq_len=8",
         "train.global_batch=8",
     ],
-    # GPU: GPT-2 small's shape (byte vocabulary), 8 x 1024 tokens.
+    # GPU: GPT-2 small (124M: GPT-2's vocabulary padded to 50304, as nanoGPT's), 16 x 1024 tokens.
     "gpt2": [
+        "model.vocab_size=50304",
         "model.d_model=768",
         "model.n_heads=12",
         "model.n_layers=12",
         "model.d_ff=3072",
         "model.seq_len=1024",
-        "train.global_batch=8",
+        "train.global_batch=16",
+    ],
+    # GPU: LLaMA-3.2-1B's shape (1.24B: GQA 32/8 heads, SwiGLU, RMSNorm, RoPE, tied 128256 vocabulary), 4 x 2048
+    # tokens, its 16 blocks scanned (one compiled block; the hand-written step calls the same loss).
+    "llama1b": [
+        "model.vocab_size=128256",
+        "model.d_model=2048",
+        "model.n_heads=32",
+        "model.n_kv_heads=8",
+        "model.n_layers=16",
+        "model.d_ff=8192",
+        "model.seq_len=2048",
+        "model.mlp=swiglu",
+        "model.norm=rmsnorm",
+        "model.bias=false",
+        "model.pos=rope",
+        "model.scan_layers=true",
+        "train.global_batch=4",
     ],
 }
 H100_SXM_DENSE_BF16_TFLOPS = 989.4  # NVIDIA H100 SXM datasheet, dense (no sparsity); TF32 494.7, FP32 66.9
@@ -90,7 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--models",
         default=None,
-        help="comma-separated, of: " + ", ".join(MODELS) + " (default cpu: tiny,wide; gpu: gpt2,wide)",
+        help="comma-separated, of: " + ", ".join(MODELS) + " (default cpu: tiny,wide; gpu: gpt2,llama1b)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the model's compute dtype (jzero: precision.param_dtype, fp32 main params; by hand: fp32 params cast "
+        "in the loss); default cpu: float32, gpu: bfloat16, as Megatron's --bf16",
+    )
+    ap.add_argument(
+        "--stages",
+        default=None,
+        help="comma-separated of no_shard, optim, optim_grads (default cpu: all; gpu: no_shard, one device's stages "
+        "being the same program)",
     )
     impls = ", ".join(IMPLS + GPU_IMPLS)
     ap.add_argument("--only", default=None, help=f"comma-separated impls (default: all of the backend's): {impls}")
@@ -100,12 +131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", type=Path, default=None, help="write each config's HLO, memory and trace here")
     ap.add_argument("--out", type=Path, default=HERE, help="where result.json, table.md, bench.png go")
     args = ap.parse_args(argv)
-    args.models = (args.models or ("tiny,wide" if args.backend == "cpu" else "gpt2,wide")).split(",")
+    args.models = (args.models or ("tiny,wide" if args.backend == "cpu" else "gpt2,llama1b")).split(",")
+    args.dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")
+    args.stages = tuple((args.stages or ("no_shard" if args.backend == "gpu" else ",".join(STAGES))).split(","))
     impls = IMPLS if args.backend == "cpu" else GPU_IMPLS
     args.only = tuple(args.only.split(",")) if args.only else impls
     bad = [m for m in args.models if m not in MODELS] + [i for i in args.only if i not in impls]
+    bad += [s for s in args.stages if s not in STAGES]
     if bad or args.warmup < 1 or args.steps < 1:
-        ap.error(f"unknown model/impl {bad} for --backend {args.backend}" if bad else "--warmup, --steps must be >= 1")
+        ap.error(f"unknown model/impl/stage {bad} for --backend {args.backend}" if bad else "--warmup, --steps >= 1")
     return args
 
 
@@ -267,8 +301,10 @@ def adam_moments(opt_state) -> tuple:
 def first_step_view(impl: str, state, metrics, run) -> dict:
     """Host copies of what the check compares, in model space: loss, grad_norm, params, mu, nu."""
     if impl.startswith("jzero"):
-        params = run.zero.full_params(state.params)
-        mu, nu = adam_moments(jax.jit(run.zero.to_model_space)(state.opt_state).inner_state)
+        space = jax.jit(run.zero.to_model_space)(state.opt_state)
+        # bf16 params: the fp32 main params, as the hand-written step keeps its params
+        params = run.zero.full_params(state.params) if space.main_params is None else space.main_params
+        mu, nu = adam_moments(space.inner_state)
     else:
         params, opt_state = state
         mu, nu = adam_moments(opt_state)
@@ -279,27 +315,30 @@ def first_step_view(impl: str, state, metrics, run) -> dict:
     return {**view, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
-CHECK_RTOL = 1e-5
+# bf16: a grad rounds to 8 mantissa bits (2^-8 relative) where each program's fusions put the cast, twice that on
+# Adam's nu (g^2); 2^-5 leaves two such roundings on nu.
+CHECK_RTOL = {"float32": 1e-5, "bfloat16": 2**-5}
 TINY_GRAD = 1e-5  # 1000 x Adam's eps: below it, Adam's first step g / (|g| + eps) amplifies rounding in g
 
 
-def check(view: dict, ref: dict, b1: float) -> dict:
-    """Largest relative difference to the reference per quantity, and whether all are within CHECK_RTOL.
+def check(view: dict, ref: dict, b1: float, rtol: float) -> dict:
+    """Largest relative difference to the reference per quantity, and whether all are within `rtol`.
 
     Arrays are compared per tensor against the tensor's largest magnitude (the rounding of a summed
     grad is relative to its terms, not to an element that nearly cancels). Params are compared where
-    the reference grad |g| = |mu| / (1 - b1) exceeds TINY_GRAD: on a grad of rounding-noise size
-    Adam's first update g / (|g| + eps) is any value in (-1, 1) (seen: a 1.6% change of a 2e-8 grad
-    moved its param by 1e-5); mu and nu check every element's grad.
+    the reference grad |g| = |mu| / (1 - b1) exceeds TINY_GRAD and `rtol` times its tensor's largest: on
+    a grad of rounding-noise size Adam's first update g / (|g| + eps) is any value in (-1, 1) (seen: a 1.6%
+    change of a 2e-8 grad moved its param by 1e-5; in bf16 a grad under 1% of its tensor's largest can
+    change sign between two programs); mu and nu check every element's grad.
     """
     out = {k: abs(view[k] - ref[k]) / abs(ref[k]) for k in ("loss", "grad_norm")}
     rel = lambda a, b, m=True: float(np.max(np.abs(a - b) * m, initial=0) / max(np.max(np.abs(b)), 1e-30))  # noqa: E731
     for k in ("mu", "nu"):
         out[k] = max(jax.tree.leaves(jax.tree.map(rel, view[k], ref[k])))
-    big = jax.tree.map(lambda mu: np.abs(mu) / (1 - b1) > TINY_GRAD, ref["mu"])
+    big = jax.tree.map(lambda mu: np.abs(mu) > max(TINY_GRAD * (1 - b1), rtol * np.max(np.abs(mu))), ref["mu"])
     out["params"] = max(jax.tree.leaves(jax.tree.map(rel, view["params"], ref["params"], big)))
     skipped = sum(int(np.size(m) - np.sum(m)) for m in jax.tree.leaves(big))
-    return {"max_rel_diff": out, "params_skipped_tiny_grad": skipped, "ok": all(v <= CHECK_RTOL for v in out.values())}
+    return {"max_rel_diff": out, "params_skipped_tiny_grad": skipped, "ok": all(v <= rtol for v in out.values())}
 
 
 def profile_files(directory: Path, name: str, compiled) -> None:
@@ -329,7 +368,7 @@ def prepare(name: str, step, state, batch, run, args) -> dict:
         "compile_s": time.perf_counter() - t0,
         "persistent_bytes": persistent_bytes(state),
     }
-    if args.backend == "gpu":
+    if args.backend == "gpu" and args.dtype == "float32":
         # XLA:GPU computes fp32 dots in TF32 by default, rounded differently with each program's layout
         # (2.7e-4 apart on an H100): the checked step is the same program at full fp32, the timed ones
         # are the default.
@@ -369,49 +408,63 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     return 6 * n_params + 12 * m.n_layers * m.d_model * m.seq_len
 
 
-def build(impl: str, strategy: str, overrides, devices, base, tx, init_params, hand_batch):
+def hand_loss(loss_fn, dtype: str):
+    """The model's loss as a user writes mixed precision by hand: fp32 params, cast to `dtype` inside the loss
+    (their grads come back fp32 through the cast), as Megatron's --bf16 keeps fp32 main params."""
+    if dtype == "float32":
+        return loss_fn
+    return lambda params, batch: loss_fn(jax.tree.map(lambda x: x.astype(dtype), params), batch)
+
+
+def build(impl: str, strategy: str, overrides, devices, base, tx, init_params, hand_batch, dtype: str):
     """(step, initial state, batch, run) of one config; run is jzero's `loop.Run` (None by hand)."""
     if impl.startswith("jzero"):
         path = impl.split("-")[1]
         cfg = load_config(None, [*overrides, f"zero.strategy={strategy}", f"zero.path={path}"])
         run = loop.setup(cfg, devices, with_data=False)
         return run.zero.step, run.init_state(), base.device_batch(0), run
+    loss_fn = hand_loss(base.model.loss, dtype)
     if impl == "hand-shard_map":
-        step, init = hand_shard_map(base.model.loss, tx, base.mesh, init_params)
+        step, init = hand_shard_map(loss_fn, tx, base.mesh, init_params)
     else:
-        step, init = hand_constraints(base.model.loss, tx, base.mesh, init_params, strategy)
+        step, init = hand_constraints(loss_fn, tx, base.mesh, init_params, strategy)
     return step, init(jax.device_put(init_params, NamedSharding(base.mesh, P()))), hand_batch, None
 
 
 def bench_model(model: str, args, devices) -> dict:
     d = len(devices)
-    overrides = [*COMMON, *MODELS[model], f"mesh.dp={d}"]
+    overrides = [*COMMON, *MODELS[model], f"mesh.dp={d}", f"precision.param_dtype={args.dtype}"]
     base = loop.setup(load_config(None, [*overrides, "zero.strategy=no_shard", "zero.path=spec"]), devices)
     cfg, mesh = base.cfg, base.mesh
-    init_params = jax.device_get(base.init_state().params)
+    # fp32 for the hand-written steps: their master params (jzero's main params start from the same values)
+    init_params = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(base.init_state().params))
     n = sum(x.size for x in jax.tree.leaves(init_params))
     g_bytes = p_bytes = 4 * n  # fp32 grads and params, tp = 1
     tx = adamw(cfg)
     hand_batch = jax.device_put(base.device_batch(0), NamedSharding(mesh, P("dp")))
     impls = GPU_IMPLS if args.backend == "gpu" else IMPLS
-    todo = [(impl, s) for impl in ("jzero-spec", "jzero-flat") for s in STAGES]
-    todo += [(impl, s) for impl, stages in HAND_STAGES.items() if impl in impls for s in stages]
+    todo = [("jzero-spec", "no_shard")]  # first: its first step is every check's reference
+    todo += [(i, s) for i in ("jzero-spec", "jzero-flat") for s in STAGES if s in args.stages and (i, s) != todo[0]]
+    todo += [(impl, s) for impl, stages in HAND_STAGES.items() if impl in impls for s in stages if s in args.stages]
     configs, ref = [], None  # jzero-spec DDP comes first: its first step is the reference of every check
     for impl, strategy in todo:
         is_ref = (impl, strategy) == ("jzero-spec", "no_shard")
         if impl not in args.only and not is_ref:
             continue
-        step, state, batch, run = build(impl, strategy, overrides, devices, base, tx, init_params, hand_batch)
+        step, state, batch, run = build(
+            impl, strategy, overrides, devices, base, tx, init_params, hand_batch, args.dtype
+        )
         name = f"{model}/{impl}/{STAGES[strategy]}"
         c = prepare(name, step, state, batch, run, args)
         print(f"prepared {name}: compile {c['compile_s']:.1f} s", file=sys.stderr, flush=True)
         ref = c["view"] if is_ref else ref
-        c["check"] = check(c.pop("view"), ref, cfg.optimizer.b1)  # host copies dropped: memory
+        c["check"] = check(c.pop("view"), ref, cfg.optimizer.b1, CHECK_RTOL[args.dtype])  # host copies dropped
         if impl in args.only:
             configs.append({**c, "impl": impl, "strategy": strategy, "mesh": mesh})
     grads_only = None
     if any(c["impl"] in ("hand-constraints", "plain-optax") for c in configs):
-        grads_only = prepare_grads_only(base.model.loss, mesh, init_params, hand_batch, args, model)
+        loss_fn = hand_loss(base.model.loss, args.dtype)
+        grads_only = prepare_grads_only(loss_fn, mesh, init_params, hand_batch, args, model)
     time_interleaved(configs + ([grads_only] if grads_only else []), args.steps, args.profile, model)
     rows = [make_row(c, model, cfg, d, g_bytes, p_bytes, n, init_params, args) for c in configs]
     out = {
@@ -643,7 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(devices),
         "warmup": args.warmup,
         "steps": args.steps,
-        "check_rtol": CHECK_RTOL,
+        "dtype": args.dtype,
+        "stages": list(args.stages),
+        "check_rtol": CHECK_RTOL[args.dtype],
         "models": {},
     }
     for model in args.models:
@@ -664,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         if not r["check"]["ok"]
     ]
     if failed:
-        print(f"first-step check failed (rtol {CHECK_RTOL}): {', '.join(failed)}", file=sys.stderr)
+        print(f"first-step check failed (rtol {CHECK_RTOL[args.dtype]}): {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 

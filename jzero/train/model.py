@@ -149,7 +149,10 @@ class GPT(nnx.Module):
     def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
         """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE
         blocks, tokens per expert [n_moe, E] or None); bias: the expert bias [n_moe, E] fp32, or None."""
-        x = self.tok_emb[...][tokens]
+        emb = self.tok_emb[...]
+        # The lookup's transpose scatter-adds each token's grads into its row: in fp32, cast to the param's dtype
+        # once (as PyTorch's embedding backward accumulates), not summed in bf16, which loses the frequent tokens'.
+        x = emb.astype(jnp.float32)[tokens].astype(emb.dtype)
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
         x, stats, counts = self._run_blocks(x, tp_axis, ep_axis, dp_axes, bias)

@@ -227,4 +227,5 @@ def test_deviceless_h100_bf16_attention_is_cudnns(extra, calls, capsys):
     out = capsys.readouterr().out
     assert f"note: attention: cuDNN's fused kernel ({calls} __cudnn$fmha* custom calls)" in out
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], TINY) == 0
-    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, float32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, float32" in out

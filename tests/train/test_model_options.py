@@ -262,3 +262,17 @@ def test_forced_cudnn_attention_on_cpus_is_refused_when_built():
     cfg = load_config(None, ["model.attention=cudnn", "precision.param_dtype=bfloat16", "model.n_layers=1"])
     with pytest.raises(ConfigError, match="model.attention=cudnn runs on GPUs only and these devices are CPUs"):
         build_run(cfg, jax.devices()[:1])
+
+
+def test_bf16_embedding_grad_is_summed_in_fp32():
+    """A bf16 model's token-embedding grad is each token's grads summed in fp32 and rounded once: on a batch
+    of 8k tokens drawn from 40 ids it is about as close to the fp32 model's as the other bf16 grads (5.0e-3 of
+    its largest, the others 1.5e-3 to 4.0e-3; summed in bf16 by the lookup's transpose it was 2.6e-2)."""
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_heads=8, d_ff=128, seq_len=256, n_layers=1, **LLAMA_TINY)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (32, 257)))
+    model = GPTModel(cfg, jnp.bfloat16)
+    params = jax.jit(model.init)()
+    up = lambda p: jax.tree.map(lambda x: x.astype(jnp.float32), p)  # noqa: E731
+    g16 = jax.jit(jax.grad(model.loss))(params, tokens)["tok_emb"].astype(jnp.float32)
+    g32 = jax.jit(jax.grad(lambda p, t: model.loss(up(p), t)))(up(params), tokens)["tok_emb"]
+    assert float(jnp.max(jnp.abs(g16 - g32)) / jnp.max(jnp.abs(g32))) < 2**-7
