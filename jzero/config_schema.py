@@ -91,6 +91,21 @@ class AttentionImpl(str, enum.Enum):
         return "cudnn" if fused else "xla"
 
 
+class RematKind(str, enum.Enum):
+    """What each block's backward recomputes (Megatron's --recompute-granularity); YAML's true/false read as
+    full/none."""
+
+    NONE = "none"  # keep every activation the backward reads
+    FULL = "full"  # recompute the block, keeping its input only (Megatron's full recompute)
+    # keep the matmul outputs (dots without batch dims: the projections and MLP), recompute the rest: the
+    # attention core, norms, activations (Megatron's selective recompute; jax's dots_with_no_batch_dims_saveable)
+    SELECTIVE = "selective"
+
+    @classmethod
+    def _missing_(cls, value):
+        return {True: cls.FULL, False: cls.NONE}.get(value) if isinstance(value, bool) else None
+
+
 class NormKind(str, enum.Enum):
     LAYERNORM = "layernorm"  # scale and bias (bias only with model.bias)
     RMSNORM = "rmsnorm"  # scale only (LLaMA)
@@ -187,7 +202,7 @@ class ModelConfig:
     pos: PosKind = PosKind.LEARNED
     scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them
     attention: AttentionImpl = AttentionImpl.AUTO  # the attention kernel; auto: cuDNN's fused one where it runs
-    remat: bool = False  # jax.checkpoint on each block: recompute its activations in backward
+    remat: RematKind = RematKind.NONE  # what each block's backward recomputes: none, full, selective
     moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
 
 

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import ModelConfig, PosKind
+from jzero.config import ModelConfig, PosKind, RematKind
 from jzero.mesh import EP_AXIS
 from jzero.model import TokenExchange
 from jzero.train import moe
@@ -114,7 +114,10 @@ class GPT(nnx.Module):
         self.blocks = _stack(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.ln_f = norm(cfg, dtype)
         self.head = None if cfg.tie_embeddings else normal(rngs, (cfg.d_model, cfg.vocab_size), 0.02, dtype)
-        self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
+        remat = RematKind(cfg.remat)  # a ModelConfig built in Python may hold a bool
+        self.scan_layers, self.remat = cfg.scan_layers, remat != RematKind.NONE
+        selective = remat == RematKind.SELECTIVE
+        self.remat_policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if selective else None
 
     def _run_blocks(self, x, tp_axis, ep_axis, dp_axes, bias):
         """x [B, T, D] -> (x, [aux_loss, dropped_frac, z_loss] summed over the blocks, tokens per expert
@@ -124,10 +127,11 @@ class GPT(nnx.Module):
         before it runs and its grads reduce-scattered right after its backward."""
 
         def layer(graphdef, state, x, b, in_scan=False):  # one block; x [B, T, D], b its bias [E] or None
-            # remat: Megatron's full recompute, keeping only each block's input for backward; in the
-            # scan without jax.checkpoint's CSE barrier, so XLA can prefetch the next layer's gathers
+            # remat: Megatron's full recompute, keeping only each block's input for backward (selective: and
+            # its matmul outputs); in the scan without jax.checkpoint's CSE barrier, so XLA can prefetch the
+            # next layer's gathers
             block = lambda state, x, b: nnx.merge(graphdef, state)(x, tp_axis, ep_axis, dp_axes, b)  # noqa: E731
-            return units.unit(block, state, x, b, remat=self.remat, prevent_cse=not in_scan)
+            return units.unit(block, state, x, b, remat=self.remat, policy=self.remat_policy, prevent_cse=not in_scan)
 
         if self.scan_layers:  # every block is MoE, or none (model.moe.every=1)
             graphdef, states = nnx.split(self.blocks)
@@ -300,8 +304,8 @@ class GPTModel:
 
     @property
     def remat(self) -> bool:
-        """Each block recomputes its forward for its backward (`model.remat`)."""
-        return self.cfg.remat
+        """Each block recomputes its forward, or part of it, for its backward (`model.remat`: full, selective)."""
+        return RematKind(self.cfg.remat) != RematKind.NONE
 
     def token_exchange(self, tokens: int) -> TokenExchange | None:
         """The all-to-alls of one rank's micro-batch of `tokens` (None for a dense model): each MoE block
@@ -315,7 +319,7 @@ class GPTModel:
         cap = moe.capacity(tokens, m.num_experts, m.top_k, m.capacity_factor)
         rows = m.top_k * tokens if cap is None else m.num_experts * cap  # dropless: the routed copies
         slot_bytes = rows * self.cfg.d_model * self.dtype.itemsize
-        return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.cfg.remat else 4), dropless=cap is None)
+        return TokenExchange(slot_bytes, self.n_moe_blocks * (6 if self.remat else 4), dropless=cap is None)
 
     def activation_bytes(self, rows: int, tp: int) -> int:
         """A floor, never an estimate, so that no config that fits is refused: the residual stream's

@@ -442,7 +442,7 @@ def _outside_bwd(hook, residuals, g):
 _outside.defvjp(_outside_fwd, _outside_bwd)
 
 
-def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: bool = True, **kwargs):
+def unit(fn: Callable, params: PyTree, *args, remat: bool = False, policy=None, prevent_cse: bool = True, **kwargs):
     """`fn(params, *args, **kwargs)` as one FSDP unit (module docstring); `args` are arrays.
 
     remat: recompute the whole unit in backward, keeping only its inputs (Megatron's full
@@ -452,6 +452,9 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     kept, as Megatron's persistent params are. A second checkpoint inside the model's own would
     gather ZeRO-3's params a third time, so a model that recomputes its units says so here rather
     than wrapping `unit`.
+
+    policy: with `remat`, `jax.checkpoint`'s policy: what the recompute keeps besides the inputs (e.g.
+    `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, Megatron's selective recompute); None: nothing.
 
     prevent_cse: as `jax.checkpoint`'s. Pass False where the unit runs in a `jax.lax.scan` body
     (the scan keeps the recompute apart already, jax's own advice): the barrier it would add hides
@@ -472,7 +475,8 @@ def unit(fn: Callable, params: PyTree, *args, remat: bool = False, prevent_cse: 
     if any(h.probe for h in hooks):  # `check_loss`' trace: what the loss reads, not what it recomputes (a
         return run(params, *args)  # checkpoint would take the sinks, which `_claims` follows)
     if remat:
-        return jax.checkpoint(run, prevent_cse=prevent_cse)(materialize_all(params, lambda hook: hook.keep), *args)
+        recompute = jax.checkpoint(run, policy=policy, prevent_cse=prevent_cse)
+        return recompute(materialize_all(params, lambda hook: hook.keep), *args)
     if any(h.reshard for h in hooks):
         return jax.checkpoint(run, policy=RESHARD_POLICY, prevent_cse=prevent_cse)(params, *args)
     return run(params, *args)
