@@ -57,21 +57,21 @@ def add_parsers(ckpt_sub, with_config) -> None:
     names.set_defaults(fn=_cmd_names)
 
 
-def _check_megatron_gpt(cfg: Config) -> None:
-    if cfg.model.moe.num_experts:
-        raise ConfigError("model.moe: Megatron checkpoints move to and from dense GPTs only")
+def _check_megatron_gpt(cfg: Config, export: bool = False) -> None:
+    if export and cfg.model.moe.num_experts:
+        raise ConfigError("model.moe: jzero exports dense GPTs only to Megatron (MoE GPTs import)")
     if cfg.optimizer.name in (OptimizerName.SGD, OptimizerName.MUON):
         raise ConfigError(
             f"optimizer.name={cfg.optimizer.name.value}: a Megatron distributed-optimizer checkpoint holds Adam's state"
         )
 
 
-def _setup(args, bucket_size: int | None):
+def _setup(args, bucket_size: int | None, export: bool = False):
     """(config, Run without data, names tree, Megatron key order) for the command's config."""
     if bucket_size is not None and bucket_size < 1:
         raise ConfigError(f"--bucket-size {bucket_size} must be >= 1")
     cfg = load_config(args.config, args.set)
-    _check_megatron_gpt(cfg)
+    _check_megatron_gpt(cfg, export)
     from jzero.runtime import start_jax
 
     start_jax(cfg.train.host_devices)
@@ -192,7 +192,7 @@ def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
 
 
 def _cmd_export(args) -> int:
-    cfg, run, names, order = _setup(args, args.bucket_size)
+    cfg, run, names, order = _setup(args, args.bucket_size, export=True)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
     from jzero.train.resume import restore_latest

@@ -19,6 +19,11 @@ the jzero param each key holds (torch's Linear stores `[out, in]` and computes `
                                                    first, then up: Megatron's glu chunks them so)
     mlp.linear_fc1.bias [F] or [2F]              mlp/fc1/bias [F] or [2, F]
     mlp.linear_fc2.weight [D, F], .bias [D]      mlp/fc2/kernel [F, D] transposed, mlp/fc2/bias
+    a MoE block's MLP (`model.moe`; Megatron's softmax router with moe_router_pre_softmax, SequentialMLP):
+    mlp.router.weight [E, D]                     mlp/router/kernel [D, E] transposed
+    mlp.experts.local_experts.<e>.linear_fc1.*   mlp/experts/fc1/{kernel,bias}[e], as the dense fc1
+    mlp.experts.local_experts.<e>.linear_fc2.*   mlp/experts/fc2/{kernel,bias}[e], as the dense fc2
+      (e the global expert: a checkpoint's expert-parallel ranks are joined when read)
   decoder.final_layernorm.weight, .bias [D]      ln_f/scale, ln_f/bias
   output_layer.weight [V, D]                     head [D, V] transposed  (untied embeddings only)
 
@@ -29,9 +34,9 @@ jzero model), the export writes zeros, the same function, and the import refuses
 reshape or transpose: exact both ways, for the params and the optimizer's moments alike.
 
 A names file (`read_names_file`) is a JSON object of the same mapping for Megatron models named
-otherwise: Megatron key -> jzero param path (`blocks/0/attn/qkv/kernel`, or `blocks/attn/qkv/kernel[0]`
-for a layer of a scanned stack) or null, in Megatron's registration order; `megatron_names` writes
-the default one.
+otherwise: Megatron key -> jzero param path (`blocks/0/attn/qkv/kernel`, `blocks/attn/qkv/kernel[0]` for
+a layer of a scanned stack, `blocks/0/mlp/experts/fc1/kernel[3]` for an expert, or both) or null, in
+Megatron's registration order; `megatron_names` writes the default one.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from jzero.config import ModelConfig, NormKind, PosKind
 from jzero.interop import InteropError
 from jzero.interop.megatron_format import EXTRA_STATE
 from jzero.interop.megatron_names import Renamed
+from jzero.train.layers import is_moe_block
 
 PyTree = Any
 
@@ -56,8 +62,12 @@ PyTree = Any
 def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
     """Megatron GPTModel's (local spec) state-dict keys for `cfg`, in registration order, each to the
     jzero param it holds, or None (module docstring)."""
-    if cfg.moe.num_experts:
-        raise InteropError("model.moe: jzero converts dense GPTs only to and from Megatron")
+    o = cfg.moe
+    if o.num_experts and (o.expert_bias or o.score_function.value != "softmax"):
+        raise InteropError(
+            "model.moe: jzero moves MoE GPTs with Megatron's softmax router (moe_router_pre_softmax) only, without "
+            "an expert bias"
+        )
     layernorm = cfg.norm == NormKind.LAYERNORM
     out: dict[str, str | None] = {"embedding.word_embeddings.weight": "tok_emb"}
     if cfg.pos == PosKind.LEARNED:
@@ -83,11 +93,22 @@ def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
         qkv_bias = f"{j}attn/qkv/bias" if cfg.qkv_bias else None if cfg.bias else False
         linear(f"{m}.self_attention.linear_qkv", f"{j}attn/qkv", qkv_bias)
         norm(f"{m}.pre_mlp_layernorm", f"{j}ln2")
-        linear(f"{m}.mlp.linear_fc1", f"{j}mlp/fc1", f"{j}mlp/fc1/bias" if cfg.bias else False)
-        linear(f"{m}.mlp.linear_fc2", f"{j}mlp/fc2", f"{j}mlp/fc2/bias" if cfg.bias else False)
+        if is_moe_block(cfg, i):  # the router, then each expert's fc1 and fc2: jzero stacks them [E, ...]
+            out[f"{m}.mlp.router.weight"] = f"{j}mlp/router/kernel{at}"
+            for e in range(o.num_experts):
+                for fc in ("fc1", "fc2"):
+                    x, key = f"{j}mlp/experts/{fc}", f"{m}.mlp.experts.local_experts.{e}.linear_{fc}"
+                    out[f"{key}.weight"] = f"{x}/kernel{at}[{e}]"
+                    if cfg.bias:
+                        out[f"{key}.bias"] = f"{x}/bias{at}[{e}]"
+                    out[f"{key}.{EXTRA_STATE}"] = None
+        else:
+            linear(f"{m}.mlp.linear_fc1", f"{j}mlp/fc1", f"{j}mlp/fc1/bias" if cfg.bias else False)
+            linear(f"{m}.mlp.linear_fc2", f"{j}mlp/fc2", f"{j}mlp/fc2/bias" if cfg.bias else False)
         if at:
             for key in list(out)[start:]:
-                out[key] = None if out[key] is None else out[key] + at
+                if out[key] is not None and not out[key].endswith("]"):  # experts' have theirs already
+                    out[key] = out[key] + at
     norm("decoder.final_layernorm", "ln_f")
     if not cfg.tie_embeddings:
         out["output_layer.weight"] = "head"
@@ -152,6 +173,10 @@ _ROLES = (  # jzero path suffix -> conversion of one layer's array (by its jzero
     (r"mlp/fc1/bias$", _flat),
     (r"mlp/fc2/kernel$", _transpose),
     (r"(^|/)head$", _transpose),
+    (r"mlp/router/kernel$", _transpose),  # [D, E] from [E, D]
+    (r"mlp/experts/fc1/kernel$", _fc1),  # one expert's
+    (r"mlp/experts/fc1/bias$", _flat),
+    (r"mlp/experts/fc2/kernel$", _transpose),
 )
 
 
@@ -174,18 +199,20 @@ def gpt_names(abstract_params: PyTree, names: dict[str, str | None]) -> tuple[Py
     mapping Megatron key -> jzero path or None (`megatron_names`, `read_names_file`)."""
     leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     shapes = {_path_name(p): tuple(x.shape) for p, x in leaves}
-    mapped: dict[str, dict[int | None, str]] = {}  # jzero path -> {layer index or None: Megatron key}
+    # jzero path -> {index: Megatron key}; the index () names the whole param, (i,) the layer i of a scanned
+    # stack or the expert i of a MoE block's [E, ...] experts, (i, e) both
+    mapped: dict[str, dict[tuple[int, ...], str]] = {}
     for key, target in names.items():
         if target is None:
             continue
-        m = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", target)
-        path, layer = m[1], None if m[2] is None else int(m[2])
+        m = re.fullmatch(r"(.*?)((?:\[\d+\])*)", target)
+        path, index = m[1], tuple(int(i) for i in re.findall(r"\d+", m[2]))
         if path not in shapes:
             raise InteropError(f"names: {key} -> {target}, which is not a param of the model ({len(shapes)} params)")
-        if layer in mapped.setdefault(path, {}):
-            raise InteropError(f"names: {target} is given twice ({mapped[path][layer]}, {key})")
-        mapped[path][layer] = key
-    by_key = {k: (path, layer) for path, layers in mapped.items() for layer, k in layers.items()}
+        if index in mapped.setdefault(path, {}):
+            raise InteropError(f"names: {target} is given twice ({mapped[path][index]}, {key})")
+        mapped[path][index] = key
+    by_key = {k: (path, index) for path, indices in mapped.items() for index, k in indices.items()}
     extras: dict[str, list[str]] = {}  # Megatron key of a weight -> its zero params (same module)
     for key, target in names.items():
         if target is None and not key.endswith(EXTRA_STATE):
@@ -196,37 +223,41 @@ def gpt_names(abstract_params: PyTree, names: dict[str, str | None]) -> tuple[Py
             extras.setdefault(owner, []).append(key)
 
     def renamed(path: str) -> Renamed:
-        layers = mapped.get(path)
-        if layers is None:
+        indices = mapped.get(path)
+        if indices is None:
             raise InteropError(f"names: the model's param {path} has no Megatron name")
         shape = shapes[path]
-        stacked = None not in layers
-        if stacked and sorted(layers) != list(range(shape[0])):
-            raise InteropError(f"names: {path} [{shape[0]}, ...] is named for layers {sorted(layers)}")
-        if not stacked and len(layers) > 1:
-            raise InteropError(f"names: {path} is named both whole and per layer")
-        order = sorted(layers) if stacked else [None]
-        to, back = _role(path)(shape[1:] if stacked else shape)
-        keys = tuple(k for i in order for k in (layers[i], *extras.get(layers[i], ())))
+        depths = {len(i) for i in indices}
+        if len(depths) > 1:
+            raise InteropError(f"names: {path} is named both whole and per layer or expert")
+        depth = next(iter(depths))
+        order = sorted(indices)
+        if depth > len(shape) or order != sorted(np.ndindex(*shape[:depth])):
+            raise InteropError(
+                f"names: {path} {list(shape)} is named for {'layers' if depth == 1 else 'indices'} "
+                f"{sorted(indices)[:8]}"
+            )
+        to, back = _role(path)(shape[depth:])
+        keys = tuple(k for i in order for k in (indices[i], *extras.get(indices[i], ())))
 
         def to_megatron(x):
             out = []
             for i in order:
-                w = to(x if i is None else x[i])
-                out += [w, *(_zeros_like_bias(w) for _ in extras.get(layers[i], ()))]
+                w = to(x[i])
+                out += [w, *(_zeros_like_bias(w) for _ in extras.get(indices[i], ()))]
             return tuple(out)
 
         def from_megatron(arrays):
             got = dict(zip(keys, arrays))
             for i in order:
-                for extra in extras.get(layers[i], ()):
+                for extra in extras.get(indices[i], ()):
                     if np.any(got[extra] != 0):
                         raise InteropError(
                             f"Megatron's {extra} is not zero, and jzero's model has no such param (a QKV bias: "
                             "set model.qkv_bias=true; a LayerNorm bias: jzero's model.bias)"
                         )
-            parts = [back(got[layers[i]]) for i in order]
-            return parts[0] if not stacked else np.stack(parts)
+            parts = [back(got[indices[i]]) for i in order]
+            return parts[0] if not depth else np.stack(parts).reshape(*shape[:depth], *parts[0].shape)
 
         return Renamed(keys, to_megatron, from_megatron)
 

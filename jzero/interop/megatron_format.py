@@ -24,14 +24,19 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def bucket_positions(numels: Sequence[int], bucket_numels: Sequence[int], where: str) -> list[tuple[int, int]]:
     """Per param (registration order), (its bucket, its start in the bucket), for buckets of the given
     unpadded sizes: Megatron's walk in reverse registration order, starts aligned to 64, a bucket
-    closing where its recorded size ends (`buffers.build_layout`). Raises InteropError if the params
-    do not fill the buckets so."""
+    closing where its recorded size ends (`buffers.build_layout`), or at an aligned start where a
+    shared embedding (tied, under pipeline parallelism) opens a bucket of its own. Raises
+    InteropError if the params do not fill the buckets so."""
     out: list = [None] * len(numels)
     b, cursor = 0, 0
     for i in reversed(range(len(numels))):
         if b >= len(bucket_numels):
             raise InteropError(f"{where}: its {len(bucket_numels)} buckets end before the params do")
         cursor = -(-cursor // 64) * 64
+        if 0 < cursor == bucket_numels[b] and numels[i]:  # closed before a shared embedding
+            b, cursor = b + 1, 0
+            if b >= len(bucket_numels):
+                raise InteropError(f"{where}: its {len(bucket_numels)} buckets end before the params do")
         end = cursor + numels[i]
         if end > bucket_numels[b]:
             raise InteropError(
@@ -47,7 +52,11 @@ def bucket_positions(numels: Sequence[int], bucket_numels: Sequence[int], where:
     return out
 
 
-def layout_bucket_numels(numels: Sequence[int], bucket_size: int | None) -> tuple[int, ...]:
+def layout_bucket_numels(
+    numels: Sequence[int], bucket_size: int | None, new_bucket: Sequence[bool] | None = None
+) -> tuple[int, ...]:
     """Megatron's per-bucket unpadded sizes for params of `numels` (registration order) and
-    `--ddp-bucket-size` (None: one bucket); they do not depend on the DP size."""
-    return build_layout(list(numels), dp_size=1, bucket_size=bucket_size).per_bucket_numel_unpadded
+    `--ddp-bucket-size` (None: one bucket); they do not depend on the DP size. `new_bucket`: per param,
+    True for a shared embedding (its own bucket)."""
+    layout = build_layout(list(numels), dp_size=1, bucket_size=bucket_size, new_bucket=new_bucket)
+    return layout.per_bucket_numel_unpadded

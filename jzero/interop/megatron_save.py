@@ -189,6 +189,9 @@ def save(
     if sorted(params_order) != sorted(produced):
         extra = sorted(set(params_order) ^ set(produced))
         raise InteropError(f"order and names disagree on Megatron params: {', '.join(extra[:4])}")
+    experts = [k for k in params_order if ".experts." in k]
+    if experts:  # Megatron keeps them in a second buffer and optimizer, over the expert-DP group
+        raise InteropError(f"{experts[0]} is an expert param: jzero writes Megatron checkpoints of dense models only")
     numels = [per_name["model"][k].size for k in params_order]
     sizes = layout_bucket_numels(numels, bucket_size)
     positions = bucket_positions(numels, sizes, "save")
