@@ -229,6 +229,7 @@ def build_zero(
     has_aux: bool = False,
     loss_scale: DynamicLossScale | None = None,
     model_state: ModelState | None = None,
+    skip_nonfinite: bool = False,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
@@ -275,7 +276,7 @@ def build_zero(
         optimizer step, updates the state by `model_state.update` (its metrics join the step's).
         The state is replicated, in `TrainState.model_state`. None: the loss has no state.
     """
-    options = StepOptions(microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux)
+    options = StepOptions(microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux, skip_nonfinite)
     if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
         raise ConfigError(
             "float16 params need loss scaling (their grads underflow without it): pass "

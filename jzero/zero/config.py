@@ -241,6 +241,7 @@ class StepOptions:
     microbatches: gradient accumulation steps per step. grad_reduce_dtype: the dtype of the grad
     buffer and its DP reduction. clip_grad: Megatron's global-norm clipping across shards, None =
     off. loss_scale: fp16's dynamic loss scaling, None = off. has_aux: the loss returns (loss, metrics).
+    skip_nonfinite: a step whose grad norm is inf or nan keeps the old params and optimizer state.
     """
 
     microbatches: int = 1
@@ -248,6 +249,7 @@ class StepOptions:
     clip_grad: float | None = None
     loss_scale: DynamicLossScale | None = None
     has_aux: bool = False
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "grad_reduce_dtype", np.dtype(self.grad_reduce_dtype))

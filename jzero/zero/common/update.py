@@ -82,13 +82,20 @@ def finish(
     state: ZeroState,
     new_params: PyTree,
     new_state: ZeroState,
+    skip_nonfinite: bool = False,
 ) -> tuple[PyTree, ZeroState, dict]:
     """The step's (params, state, metrics): the new ones and {"grad_norm"}; under loss scaling the old
     params and state where `update.skip`, the scaler updated, and {"loss_scale", "skipped"} too
-    (`loss_scale.guard_step`)."""
-    if loss_scale is None:
+    (`loss_scale.guard_step`). With `skip_nonfinite` (and no loss scaling, which skips such steps
+    already) the old params and state where the grad norm is inf or nan (Megatron's
+    --check-for-nan-in-loss-and-grad, checked before the update), and {"skipped"}."""
+    if loss_scale is not None:
+        return scaler.guard_step(loss_scale, update.skip, update.norm, params, state, new_params, new_state)
+    if not skip_nonfinite:
         return new_params, new_state, {"grad_norm": update.norm}
-    return scaler.guard_step(loss_scale, update.skip, update.norm, params, state, new_params, new_state)
+    skip = jnp.logical_not(jnp.isfinite(update.norm))
+    params, new_state = scaler.skip_if(skip, (params, state), (new_params, new_state))
+    return params, new_state, {"grad_norm": update.norm, "skipped": skip.astype(jnp.float32)}
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:

@@ -209,7 +209,8 @@ class FlatProgram:
         )  # fmt: skip
         new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, step.main)] if self.keep_main else None
         new_state = ZeroState(new_main, _unsqueeze(fp, step.inner_state))
-        return finish(o.loss_scale, step, params, opt_state, self.new_params(params, step.main), new_state)
+        new_params = self.new_params(params, step.main)
+        return finish(o.loss_scale, step, params, opt_state, new_params, new_state, o.skip_nonfinite)
 
     def init(self, params: PyTree) -> ZeroState:
         """The optimizer state from the state's params: this rank's fp32 shards and the inner state on them."""

@@ -335,7 +335,9 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
             tuple(m[None] for m in new_main) if keep_main else None, {k: v[None] for k, v in new_rows.items()}
         )
         update = Update(None, None, norm, skip)
-        new_params, new_state, metrics = finish(loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state)
+        new_params, new_state, metrics = finish(
+            loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state, options.skip_nonfinite
+        )
         return new_params, new_state, metrics
 
     opt_specs = ZeroState(

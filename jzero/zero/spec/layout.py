@@ -40,7 +40,9 @@ def spec_layout(inputs: LayoutInputs) -> Layout:
     plan, options, config, model_state = inputs.plan, inputs.options, inputs.config, inputs.model_state
     opt_shardings = opt_state_shardings(inputs.inner, plan, options.loss_scale)
     offload = spec_offload(plan, inputs.inner, opt_shardings, config.offload_fraction)
-    optimizer = zero_optimizer(inputs.inner, plan, options.clip_grad, inputs.groups, options.loss_scale)
+    optimizer = zero_optimizer(
+        inputs.inner, plan, options.clip_grad, inputs.groups, options.loss_scale, options.skip_nonfinite
+    )
     replicated = NamedSharding(plan.mesh, P())
     shardings = TrainState(
         plan.param_shardings(), offload.shardings(opt_shardings), replicated,

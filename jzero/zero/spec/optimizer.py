@@ -129,6 +129,7 @@ def zero_optimizer(
     clip_grad: float | None = None,
     groups: PyTree | None = None,
     loss_scale: DynamicLossScale | None = None,
+    skip_nonfinite: bool = False,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
 
@@ -139,6 +140,7 @@ def zero_optimizer(
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
       loss_scale: fp16's dynamic loss scaling (`common/loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
+      skip_nonfinite: an inf or nan grad norm keeps the old params and state (`update.finish`).
     """
     shardings = opt_state_shardings(inner, plan, loss_scale)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
@@ -162,7 +164,9 @@ def zero_optimizer(
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))
-        new_params, new_state, metrics = finish(loss_scale, update, params, state, new_params, new_state)
+        new_params, new_state, metrics = finish(
+            loss_scale, update, params, state, new_params, new_state, skip_nonfinite
+        )
         return new_params, new_state, metrics
 
     return ZeroOptimizer(init, step)

@@ -87,3 +87,20 @@ def test_the_model_copy_is_the_main_params_cast():
     for k in main:
         assert copy[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(copy[k], main[k].astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_skip_nonfinite_keeps_the_old_params_and_state_bitwise(bad):
+    """Megatron's --check-for-nan-in-loss-and-grad: an inf/nan grad norm keeps the old params and optimizer state
+    (metric skipped 1); a finite one returns exactly what the step without the guard returns."""
+    main, g = pytree.init_params(), grads()
+    state = ZeroState(None, INNER.init(main))
+    for grad, skipped in ((g, 0.0), (g | {"s": g["s"].at[0, 1, 2].set(bad)}, 1.0)):
+        update = step(grad, main, state)
+        new_state = ZeroState(None, update.inner_state)
+        params, got_state, metrics = finish(None, update, main, state, update.main, new_state, skip_nonfinite=True)
+        assert float(metrics["skipped"]) == skipped
+        want_params, want_state = (main, state) if skipped else (update.main, new_state)
+        jax.tree.map(np.testing.assert_array_equal, (params, got_state), (want_params, want_state))
+    unguarded = finish(None, update, main, state, update.main, new_state)
+    assert "skipped" not in unguarded[2]  # off: no select, the step as before
