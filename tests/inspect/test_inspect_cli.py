@@ -221,11 +221,16 @@ def test_deviceless_h100_memory_fits(tmp_path):
 def test_deviceless_h100_bf16_attention_is_cudnns(extra, calls, capsys):
     """model.attention=auto chooses cuDNN's fused kernel for a GPU target's bf16 step, on both paths (the spec
     path's data-parallel ranks leave tp to the partitioner: the kernel runs in a nested shard_map there); the
-    fp32 step keeps XLA's attention and says so."""
+    fp32 step keeps XLA's attention (cuDNN's takes bf16/fp16 only), and a bf16 head dim cuDNN cannot take is
+    noted."""
     bf16 = [*TINY, "precision.param_dtype=bfloat16", *extra]
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim_grads"], bf16) == 0
     out = capsys.readouterr().out
     assert f"note: attention: cuDNN's fused kernel ({calls} __cudnn$fmha* custom calls)" in out
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], TINY) == 0
-    out = capsys.readouterr().out
-    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, float32" in out
+    assert "note: attention" not in capsys.readouterr().out
+    odd = [*TINY, "precision.param_dtype=bfloat16", "model.n_heads=1", "model.d_model=160"]  # head dim 160
+    assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], odd) == 0
+    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, bfloat16, head dim 160" in (
+        capsys.readouterr().out
+    )

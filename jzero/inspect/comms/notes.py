@@ -36,15 +36,17 @@ CUDNN_ATTENTION = "__cudnn$fmha"  # the custom-call targets of cuDNN's fused att
 
 
 def _attention(c) -> list[str]:
-    """Which attention kernel the program runs (jzero's GPT: `model.attention`)."""
+    """Which attention kernel a GPU program of bf16/fp16 activations runs (jzero's GPT: `model.attention`)."""
     text = c.compiled.as_text()
     fused = text.count(f'custom_call_target="{CUDNN_ATTENTION}')
     if fused:
         return [f"attention: cuDNN's fused kernel ({fused} {CUDNN_ATTENTION}* custom calls), no [B, H, T, T] scores"]
-    if c.cfg.model.impl == GPT_IMPL and c.target != CPU:
+    dtype = c.cfg.precision.param_dtype.value
+    if c.cfg.model.impl == GPT_IMPL and c.target != CPU and dtype != "float32":
+        m = c.cfg.model
         return [
-            f"attention: XLA's, holding [B, H, T, T] scores (model.attention={c.cfg.model.attention.value}, "
-            f"{c.cfg.precision.param_dtype.value}; cuDNN's fused kernel takes bf16/fp16)"
+            f"attention: XLA's, holding [B, H, T, T] scores (model.attention={m.attention.value}, {dtype}, head "
+            f"dim {m.d_model // m.n_heads}; cuDNN's fused kernel takes head dims of multiples of 8 up to 128)"
         ]
     return []
 
