@@ -28,6 +28,7 @@ from jzero.config_schema import (
     PosKind,
     PrecisionConfig,
     ScoreFunction,
+    TrainConfig,
     yaml_key,
 )
 from jzero.errors import ConfigError
@@ -192,6 +193,18 @@ def _check_data(cfg: Config) -> None:
     _positive("train.eval_batches", t.eval_batches)
 
 
+def _check_sinks(t: TrainConfig) -> None:
+    """The metrics sinks' keys (`jzero.train.sinks`): no empty names, and no W&B detail without its project.
+    Whether the packages are installed and the directories writable is checked where the run starts."""
+    for key in ("tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir"):
+        value = getattr(t, key)
+        if value is not None and not value.strip():
+            raise ConfigError(f"train.{key}={value!r} is empty: give a name, or null for none")
+    for key in ("wandb_exp_name", "wandb_save_dir"):
+        if getattr(t, key) is not None and t.wandb_project is None:
+            raise ConfigError(f"train.{key} is set but train.wandb_project is null: set the project to log to W&B")
+
+
 def _check_attention(cfg: Config) -> None:
     """`model.attention: cudnn` forced: cuDNN's fused kernel runs bf16/fp16 with head dims 8, 16, ..., 128."""
     m, dtype = cfg.model, cfg.precision.param_dtype.value
@@ -242,3 +255,4 @@ def validate(cfg: Config) -> None:
             f"(mesh.dp_outer*mesh.dp*mesh.ep={cfg.dp_domain_size}) x train.microbatches={t.microbatches}"
         )
     _check_data(cfg)
+    _check_sinks(t)

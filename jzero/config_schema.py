@@ -203,6 +203,9 @@ class ModelConfig:
     scan_layers: bool = False  # blocks stacked [L, ...] (names blocks/mlp/fc1/kernel), lax.scan over them
     attention: AttentionImpl = AttentionImpl.AUTO  # the attention kernel; auto: cuDNN's fused one where it runs
     remat: RematKind = RematKind.NONE  # what each block's backward recomputes: none, full, selective
+    # The loss's tokens per chunk: each chunk's [chunk, V] fp32 logits made, reduced and recomputed for backward,
+    # never the whole [B, T, V] (a large vocabulary's peak); null: all at once.
+    loss_chunk: int | None = None
     moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
 
 
@@ -269,6 +272,19 @@ class TrainConfig:
     # Before compiling: refuse a run whose state and activations (a floor) cannot fit the devices' memory
     # (jzero.train.preflight); false runs it anyway.
     check_memory: bool = True
+    # Megatron's --check-for-nan-in-loss-and-grad: a step whose grad norm is inf or nan keeps the old params
+    # and optimizer state (checked in the step, before the update) and the run stops, naming the step and the
+    # newest checkpoint. fp16's loss scaling skips such steps and goes on whatever this says.
+    check_for_nan_in_loss_and_grad: bool = True
+    # Where else metrics.jsonl's scalars go, by its names, from process 0 (jzero.train.sinks; null = off).
+    # Megatron's --tensorboard-dir: TensorBoard event files in this directory (pip install 'jzero[tensorboard]').
+    tensorboard_dir: str | None = None
+    # Megatron's --wandb-project, --wandb-exp-name, --wandb-save-dir: a Weights & Biases run in this project
+    # (pip install 'jzero[wandb]'; WANDB_MODE=offline writes it locally), named wandb_exp_name (null: the
+    # --out directory's name), its local files under wandb_save_dir (null: $WANDB_DIR, else --out).
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

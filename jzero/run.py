@@ -108,5 +108,6 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
         has_aux=True,
         loss_scale=loss_scaling(cfg),
         model_state=model_state(model),
+        skip_nonfinite=cfg.train.check_for_nan_in_loss_and_grad,
     )
     return Run(cfg, model, zero)

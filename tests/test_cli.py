@@ -137,3 +137,25 @@ def test_moe_one_liner_reports_its_routing(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mesh"]["ep"] == 2 and 0 <= summary["moe"]["dropped_frac_mean"] < 1
     assert "MoE: load-balancing loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", ["spec", "flat"])
+def test_a_nonfinite_grad_norm_stops_the_run_before_its_update(tmp_path, capsys, path):
+    """A run driven to overflow (lr 1e30, no clipping) stops at the first inf/nan grad norm in one line naming the
+    step and the newest checkpoint; the update it would have applied was skipped, so the last good checkpoint and
+    every metrics.jsonl line stay readable as strict JSON."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--out", str(tmp_path), "--quiet", "--set", "train.steps=8", "--set", "data.kind=synthetic"]
+    argv += ["--set", "optimizer.lr=1e30", "--set", "optimizer.warmup_steps=0", "--set", "optimizer.clip_grad=null"]
+    argv += ["--set", f"zero.path={path}", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every=1"]
+    argv += ["--set", "checkpoint.async=false"]
+    assert main(argv + TINY) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=pytest.fail) for line in lines]
+    bad = rows[-1]["step"]
+    assert rows[-1]["grad_norm"] is None and rows[-1]["nonfinite"]["grad_norm"] in ("nan", "inf")
+    assert rows[-1]["skipped"] == 1.0 and 1 < bad < 8
+    assert "grad norm is " in err and f"at step {bad}: its update was skipped and the run stopped" in err
+    assert err.endswith(f"the newest checkpoint is step {bad - 1}")
+    assert sorted(p.name for p in ckpt.glob("step_*"))[-1] == f"step_{bad - 1:08d}"  # the bad step saved nothing

@@ -194,8 +194,9 @@ def as_on_gpu(cfg: Config) -> Config:
     m = cfg.model
     if m.impl != GPT_IMPL or m.attention != AttentionImpl.AUTO:
         return cfg
-    kernel = m.attention.kernel(cfg.precision.param_dtype.value, m.d_model // m.n_heads, "gpu")
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=AttentionImpl(kernel)))
+    if m.attention.kernel(cfg.precision.param_dtype.value, m.d_model // m.n_heads, "gpu") != "cudnn":
+        return cfg  # auto chooses XLA's on this host too
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=AttentionImpl.CUDNN))
 
 
 def compile_step(cfg: Config, target: str = CPU, topology: str | None = None, *, dump: bool = True) -> CompiledStep:

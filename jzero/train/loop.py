@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from jzero.config import Config, ConfigError
 from jzero.errors import Preempted, RunError
 from jzero.optim import lr_schedule
 from jzero.run import Run, build_run
+from jzero.train import sinks
 from jzero.train.data import data_identity, make_datasets
 from jzero.train.preemption import Preemption
 from jzero.train.preflight import check_fits, check_floor, out_of_memory
@@ -106,6 +105,7 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
     from jzero.train.checkpoint import Checkpointer
     from jzero.train.resume import resolve_resume_dir, restore_latest
 
+    multihost.on_process_0(lambda: sinks.check(cfg, fresh=resume is None), ConfigError)  # tensorboard, wandb
     check_floor(cfg, jax.devices())  # from the config alone: building a model of 20,000 blocks takes minutes
     run = build_run(cfg)
     check_fits(run)  # before any state is allocated or any step compiled
@@ -152,7 +152,7 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
             ckpt.close(check=not failed)  # waits for the save in flight; reports its failure
     summary = report.summarize(run, state, metrics, compile_s)
     if main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out_dir / "summary.json").write_text(sinks.dumps(summary, indent=2))
     if preemption.stopped_at is not None:
         saved = f"checkpoint step {preemption.stopped_at} is in {ckpt.directory}" if ckpt else "no checkpoint.dir"
         raise Preempted(f"SIGTERM: stopped after step {preemption.stopped_at}; {saved}")
@@ -180,7 +180,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     val_loss = None  # the last validation loss, for the progress bar
     bar = _progress(cfg.train.steps, progress and out_dir is not None)
     bar.update(start)
-    with _metrics_file(out_dir, start) as f:
+    with sinks.open_sinks(cfg, out_dir, start) as f:
         for step in range(start, cfg.train.steps):
             peers.progress(step, "step")
             batch = run.device_batch(step)
@@ -189,26 +189,26 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             m = jax.device_get(m)
             dt = time.perf_counter() - t
             peers.progress(step + 1, "step")
-            skipped = bool(m.get("skipped", 0.0))  # fp16: an inf/nan grad skipped the update
+            skipped = bool(m.get("skipped", 0.0))  # an inf/nan grad skipped the update
             applied = step - _skipped_before(state, skipped)  # the optimizer steps before this one
             row = {
                 "step": step + 1,
                 "loss": float(m["loss"]),
-                "grad_norm": None if skipped else float(m["grad_norm"]),  # inf or nan there
+                "grad_norm": float(m["grad_norm"]),  # inf or nan where the step was skipped: null, named in nonfinite
                 "lr": float(schedule(applied)),
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
                 # MoE: aux_loss, dropped_frac; fp16: loss_scale (the one this step's grads carried), skipped
                 **{k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
             }
-            if not np.isfinite(row["loss"]):
-                last = ckpt.steps()[-1] if ckpt is not None and ckpt.steps() else None
-                raise RunError(f"loss is {row['loss']} at step {step + 1}; the newest checkpoint is step {last}")
+            nonfinite_grads = skipped and state.opt_state.grad_scaler is None  # fp16's scaler skips and goes on
+            if nonfinite_grads or not np.isfinite(row["loss"]):
+                f.write(row)
+                raise RunError(_stop_line(row, m, ckpt, nonfinite_grads))
             if run.evaluates_at(step + 1):
                 peers.progress(step + 1, "evaluate")
                 row["val_loss"] = val_loss = run.evaluate(state.params, state.model_state)["loss"]
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+            f.write(row)
             metrics.append(row)
             bar.update(1)
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
@@ -227,6 +227,16 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
     return (metrics, state), compile_s
 
 
+def _stop_line(row: dict, m: dict, ckpt, nonfinite_grads: bool) -> str:
+    """The one line a run stopped by an inf/nan ends with: the step, what was not finite, the newest checkpoint."""
+    steps = ckpt.steps() if ckpt is not None else []
+    newest = f"the newest checkpoint is step {steps[-1]}" if steps else "no checkpoint yet"
+    if nonfinite_grads:  # train.check_for_nan_in_loss_and_grad
+        norm = float(m["grad_norm"])
+        return f"grad norm is {norm} at step {row['step']}: its update was skipped and the run stopped; {newest}"
+    return f"loss is {row['loss']} at step {row['step']}: the run stopped; {newest}"
+
+
 def _skipped_before(state: TrainState, skipped_now: bool) -> int:
     """Steps skipped before the one that produced `state` (fp16 loss scaling; 0 without)."""
     scaler = state.opt_state.grad_scaler
@@ -235,26 +245,6 @@ def _skipped_before(state: TrainState, skipped_now: bool) -> int:
 
 def _scale_postfix(row: dict) -> dict:
     return {} if "loss_scale" not in row else {"scale": f"{row['loss_scale']:.0f}"}
-
-
-def _metrics_file(out_dir: Path | None, start: int):
-    """metrics.jsonl to append to: a resumed run keeps the rows up to its start step."""
-    if out_dir is None:
-        return open(os.devnull, "w")
-    path = out_dir / "metrics.jsonl"
-    if start == 0 or not path.exists():
-        return open(path, "w")
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= start:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a row cut short by a kill or a full disk
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return open(path, "a")
 
 
 def _warn_if_other_data(saved: dict, cfg: Config) -> None:

@@ -153,6 +153,11 @@ class GPT(nnx.Module):
     def __call__(self, tokens, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
         """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE
         blocks, tokens per expert [n_moe, E] or None); bias: the expert bias [n_moe, E] fp32, or None."""
+        x, head, stats, counts = self.features(tokens, tp_axis, ep_axis, dp_axes, bias)
+        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats, counts
+
+    def features(self, tokens, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
+        """`__call__` up to the logits: (the final norm's output [B, T, D], the head [D, V], stats, counts)."""
         emb = self.tok_emb[...]
         # The lookup's transpose scatter-adds each token's grads into its row: in fp32, cast to the param's dtype
         # once (as PyTorch's embedding backward accumulates), not summed in bf16, which loses the frequent tokens'.
@@ -160,9 +165,30 @@ class GPT(nnx.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb[...][: tokens.shape[1]]
         x, stats, counts = self._run_blocks(x, tp_axis, ep_axis, dp_axes, bias)
-        x = self.ln_f(x)
         head = self.tok_emb[...].T if self.head is None else self.head[...]
-        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats, counts
+        return self.ln_f(x), head, stats, counts
+
+
+def chunked_cross_entropy(x, head, labels, chunk: int):
+    """The mean next-token cross-entropy of x [N, D] through head [D, V] against labels [N], `chunk` tokens at a
+    time: each chunk's fp32 logits [chunk, V] are made, reduced and dropped, and made again for its backward
+    (`jax.checkpoint` in a scan), so the [N, V] logits never exist at once. N is padded to whole chunks with
+    masked-out rows."""
+    n = x.shape[0]
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, -1)
+    ls = jnp.pad(labels, (0, pad)).reshape(chunks, chunk)
+    keep = (jnp.arange(chunks * chunk) < n).reshape(chunks, chunk)
+
+    @jax.checkpoint
+    def one(total, part):
+        xc, lc, kc = part
+        logits = jnp.einsum("nd,dv->nv", xc, head, preferred_element_type=jnp.float32)
+        return total + jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, lc) * kc), None
+
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (xs, ls, keep))
+    return total / n
 
 
 class GPTModel:
@@ -275,10 +301,14 @@ class GPTModel:
         bias); stats {"tokens_per_expert": [n_moe, E] fp32}, the copies each MoE block's experts ran
         (after dropping), {} without expert bias."""
         bias = None if model_state is None else model_state["expert_bias"]
-        logits, stats, counts = nnx.merge(self.graphdef, params)(
-            tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias
-        )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        gpt = nnx.merge(self.graphdef, params)
+        if self.cfg.loss_chunk is None:
+            logits, stats, counts = gpt(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        else:
+            x, head, stats, counts = gpt.features(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias)
+            labels = tokens[:, 1:].reshape(-1)
+            loss = chunked_cross_entropy(x.reshape(-1, x.shape[-1]), head, labels, self.cfg.loss_chunk)
         n, o = self.n_moe_blocks, self.cfg.moe
         if n == 0:
             return loss, {}, {}

@@ -231,6 +231,6 @@ def test_deviceless_h100_bf16_attention_is_cudnns(extra, calls, capsys):
     assert "note: attention" not in capsys.readouterr().out
     odd = [*TINY, "precision.param_dtype=bfloat16", "model.n_heads=1", "model.d_model=160"]  # head dim 160
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], odd) == 0
-    assert "note: attention: XLA's, holding [B, H, T, T] scores (model.attention=xla, bfloat16, head dim 160" in (
+    assert "note: attention: XLA's, holding [B, H, T, T] scores (head dim 160; cuDNN's fused kernel takes" in (
         capsys.readouterr().out
     )

@@ -300,3 +300,22 @@ def test_selective_remat_recomputes_the_attention_core_only():
     close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
     for remat in ("selective", "full"):
         jax.tree.map(close, results[remat], results["none"])
+
+
+def test_chunked_loss_is_the_loss_without_the_whole_logits():
+    """model.loss_chunk: the loss and grads of the whole [B, T, V] logits to fp32 rounding (a chunk that does not
+    divide the tokens is padded with masked rows), and the compiled step's temp memory is less than the whole
+    logits alone (XLA:CPU: 6.9 MB against 19.3 MB unchunked, the fp32 logits being 8.4 MB)."""
+    cfg = ModelConfig(vocab_size=4096, d_model=32, n_layers=1, n_heads=4, d_ff=64, seq_len=64)
+    tokens = np.arange(8 * 65).reshape(8, 65) * 7 % 4096
+    out, temp = {}, {}
+    for chunk in (None, 100):
+        model = GPTModel(dataclasses.replace(cfg, loss_chunk=chunk))
+        params = jax.jit(model.init)()
+        step = jax.jit(jax.value_and_grad(model.loss))
+        temp[chunk] = step.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+        out[chunk] = jax.device_get(step(params, tokens))
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-8)
+    jax.tree.map(close, out[100], out[None])
+    logits_bytes = 8 * 64 * 4096 * 4
+    assert temp[None] > logits_bytes > temp[100] and temp[None] > 2 * temp[100], (temp, logits_bytes)

@@ -44,10 +44,12 @@ def _attention(c) -> list[str]:
     dtype = c.cfg.precision.param_dtype.value
     if c.cfg.model.impl == GPT_IMPL and c.target != CPU and dtype != "float32":
         m = c.cfg.model
-        return [
-            f"attention: XLA's, holding [B, H, T, T] scores (model.attention={m.attention.value}, {dtype}, head "
-            f"dim {m.d_model // m.n_heads}; cuDNN's fused kernel takes head dims of multiples of 8 up to 128)"
-        ]
+        why = (
+            "model.attention=xla"
+            if m.attention.value == "xla"
+            else f"head dim {m.d_model // m.n_heads}; cuDNN's fused kernel takes multiples of 8 up to 128"
+        )
+        return [f"attention: XLA's, holding [B, H, T, T] scores ({why})"]
     return []
 
 
