@@ -97,19 +97,33 @@ def rope(x, theta: float = 10000.0):
 
 
 def causal_attention(q, k, v, kernel: str):
-    """softmax(q k^T / sqrt(K)) v, causal, by `jax.nn.dot_product_attention`'s `kernel`: q [B, T, H, K], k and
-    v [B, T, G, K] -> [B, T, H, K], query head h = g * R + r attending kv head g.
+    """softmax(q k^T / sqrt(K)) v, causal: q [R, B, T, G, K], k and v [B, T, G, K] -> [B, T, H, K], query head
+    h = g * R + r attending kv head g.
 
-    cuDNN's kernel partitions itself under jit, but not inside a shard_map that leaves some mesh axes
-    to the partitioner (the spec path's data-parallel ranks; JAX 0.10 fails to compile it): there it
-    runs in a nested shard_map over those axes, its heads split over tp as the QKV kernel's are."""
+    kernel "xla": written out, the [B, G, R, T, T] scores in fp32. kernel "cudnn": cuDNN's fused kernel
+    through `jax.nn.dot_product_attention` (q as [B, T, H, K], its GQA grouping). It partitions itself
+    under jit, but not inside a shard_map that leaves some mesh axes to the partitioner (the spec path's
+    data-parallel ranks; JAX 0.10 fails to compile it): there it runs in a nested shard_map over those
+    axes, its heads split over tp as the QKV kernel's are. (XLA's form through `jax.nn.dot_product_attention`,
+    q moved to [B, T, H, K] first, held 3 GiB more at LLaMA-2-7B ZeRO-1's peak on 8 H100s: 23.60 against
+    20.54 GiB of temporaries, measured 2026-11-27.)"""
+    if kernel == "xla":
+        scores = jnp.einsum("rbtgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+        t = k.shape[1]
+        # `where`, not an added mask (the same bits): the added one keeps no [B, H, T, T] residual but
+        # XLA then leaves a ZeRO-3 backward gather exposed (docs/overlap.md, "Measured", memory).
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+        out = jnp.einsum("bgrts,bsgk->btgrk", probs, v)
+        return out.reshape(*out.shape[:2], -1, out.shape[-1])  # [B, T, H, K], h = g * R + r
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
 
+    q = jnp.moveaxis(q, 0, 3).reshape(*k.shape[:2], -1, k.shape[-1])  # [B, T, G, R, K] -> [B, T, H, K]
     mesh = jax.sharding.get_abstract_mesh()
     auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    if kernel != "cudnn" or not mesh.manual_axes or not auto:
+    if not mesh.manual_axes or not auto:
         return attend(q, k, v)
     heads = P(None, None, TP_AXIS if TP_AXIS in auto else None, None)
     return jax.shard_map(attend, mesh=mesh, in_specs=heads, out_specs=heads, axis_names=set(auto), check_vma=False)(
@@ -140,8 +154,6 @@ class Attention(nnx.Module):
         q, k, v = qkv[:-2], qkv[-2], qkv[-1]  # q [R, B, T, G, K]; k, v [B, T, G, K]
         if self.rope:
             q, k = rope(q), rope(k)
-        # [B, T, H, K] with h = g * R + r, the grouping jax.nn.dot_product_attention's GQA reads.
-        q = jnp.moveaxis(q, 0, 3).reshape(*k.shape[:2], -1, k.shape[-1])
         kernel = self.attention.kernel(jnp.dtype(q.dtype).name, q.shape[-1], jax.default_backend())
         out = causal_attention(q, k, v, kernel)
         y = _reduce_tp(jnp.einsum("bthk,hkd->btd", out, self.proj["kernel"][...]), tp_axis)
