@@ -50,6 +50,15 @@ def add_parsers(ckpt_sub, with_config) -> None:
         help="the Megatron run's --ddp-bucket-size (with --overlap-grad-reduce); default: one bucket",
     )  # fmt: skip
     exp.add_argument("--step", type=int, help="the step to export (default: the newest)")
+    for flag, what in (("tensor", "tensor"), ("pipeline", "pipeline (even stages)"), ("expert", "expert")):
+        exp.add_argument(
+            f"--{flag}-model-parallel-size", type=int, default=1, metavar="N",
+            help=f"the Megatron run's {what} model-parallel size (default 1); any data-parallel size loads the files",
+        )  # fmt: skip
+    exp.add_argument(
+        "--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+        help="Megatron's checkpoint format: torch (legacy), the one jzero writes",
+    )  # fmt: skip
     exp.set_defaults(fn=_cmd_export)
 
     names = ckpt_sub.add_parser("megatron-names", help="print the names file of the config's GPT (JSON)")
@@ -57,21 +66,19 @@ def add_parsers(ckpt_sub, with_config) -> None:
     names.set_defaults(fn=_cmd_names)
 
 
-def _check_megatron_gpt(cfg: Config, export: bool = False) -> None:
-    if export and cfg.model.moe.num_experts:
-        raise ConfigError("model.moe: jzero exports dense GPTs only to Megatron (MoE GPTs import)")
+def _check_megatron_gpt(cfg: Config) -> None:
     if cfg.optimizer.name in (OptimizerName.SGD, OptimizerName.MUON):
         raise ConfigError(
             f"optimizer.name={cfg.optimizer.name.value}: a Megatron distributed-optimizer checkpoint holds Adam's state"
         )
 
 
-def _setup(args, bucket_size: int | None, export: bool = False):
+def _setup(args, bucket_size: int | None):
     """(config, Run without data, names tree, Megatron key order) for the command's config."""
     if bucket_size is not None and bucket_size < 1:
         raise ConfigError(f"--bucket-size {bucket_size} must be >= 1")
     cfg = load_config(args.config, args.set)
-    _check_megatron_gpt(cfg, export)
+    _check_megatron_gpt(cfg)
     from jzero.runtime import start_jax
 
     start_jax(cfg.train.host_devices)
@@ -157,14 +164,42 @@ TANH_GELU_NOTE = (
 )
 
 
-def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
-    """The Megatron-LM flags that describe the config's GPT, optimizer and schedule, to continue an export."""
+# jzero's model.moe.aux_loss_kind -> Megatron's --moe-router-load-balancing-type
+_AUX_LOSS = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
+
+
+def megatron_flags(cfg: Config, bucket_size: int | None, load: str, parallel: tuple[int, int, int] = (1, 1, 1)) -> str:
+    """The Megatron-LM flags that describe the config's GPT, optimizer and schedule, and the export's model
+    parallelism, to continue an export. `--make-vocab-size-divisible-by V/tp` makes Megatron pad any
+    tokenizer's vocabulary of at most V to exactly `model.vocab_size` = V (it pads to a multiple of
+    that number times tp)."""
     m, o, hp = cfg.model, cfg.optimizer, hyperparams(cfg)
+    tp, pp, ep = parallel
     flags = [
+        "--transformer-impl local",  # the names of GPTModel's local layer spec (Transformer Engine's differ)
         f"--num-layers {m.n_layers}", f"--hidden-size {m.d_model}", f"--num-attention-heads {m.n_heads}",
         f"--ffn-hidden-size {m.d_ff}", f"--seq-length {m.seq_len}", f"--max-position-embeddings {m.seq_len}",
-        "--attention-dropout 0 --hidden-dropout 0",
+        f"--make-vocab-size-divisible-by {m.vocab_size // tp}", "--attention-dropout 0 --hidden-dropout 0",
     ]  # fmt: skip
+    if tp > 1 or pp > 1 or ep > 1:
+        flags.append(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
+    if ep > 1:
+        flags.append(f"--expert-model-parallel-size {ep}")
+    moe = m.moe
+    if moe.num_experts:
+        every = [int(i % moe.every == moe.every - 1) for i in range(m.n_layers)]
+        flags.append(
+            f"--num-experts {moe.num_experts} --moe-router-topk {moe.top_k} --moe-router-pre-softmax "
+            "--moe-token-dispatcher-type alltoall"
+            + (f" --moe-layer-freq '[{','.join(map(str, every))}]'" if moe.every != 1 else "")
+            + (f" --moe-expert-capacity-factor {moe.capacity_factor} --moe-token-drop-policy probs"
+               if moe.capacity_factor is not None else "")
+            + (f" --moe-router-load-balancing-type {_AUX_LOSS[moe.aux_loss_kind.value]} --moe-aux-loss-coeff "
+               f"{moe.aux_loss_coef}" if moe.aux_loss_coef else " --moe-router-load-balancing-type none")
+            + (" --moe-router-dtype fp32" if moe.router_dtype is not None and moe.router_dtype.value == "float32"
+               else "")
+            + (f" --moe-z-loss-coeff {moe.z_loss_coef}" if moe.z_loss_coef else "")
+        )  # fmt: skip
     if m.n_kv_heads and m.n_kv_heads != m.n_heads:
         flags.append(f"--group-query-attention --num-query-groups {m.n_kv_heads}")
     if m.mlp == MlpKind.SWIGLU:
@@ -192,7 +227,8 @@ def megatron_flags(cfg: Config, bucket_size: int | None, load: str) -> str:
 
 
 def _cmd_export(args) -> int:
-    cfg, run, names, order = _setup(args, args.bucket_size, export=True)
+    parallel = _export_parallel(args)
+    cfg, run, names, order = _setup(args, args.bucket_size)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
     from jzero.train.resume import restore_latest
@@ -208,15 +244,35 @@ def _cmd_export(args) -> int:
             f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another OUT_DIR"
         )
     hp = hyperparams(cfg)
-    folder = megatron.save(args.out, state, run.zero, names, hyperparams=hp, bucket_size=args.bucket_size, order=order)
+    m = cfg.model
+    folder = megatron.save(args.out, state, run.zero, names, hyperparams=hp, bucket_size=args.bucket_size, order=order,
+                           parallel=parallel, query_groups=m.n_kv_heads or m.n_heads)  # fmt: skip
+    tp, pp, ep = parallel
+    ranks = f"{tp * pp * ep} model-parallel ranks (tp {tp}, pp {pp}, ep {ep}), " if tp * pp * ep > 1 else ""
+    world = f"tp x pp x dp GPUs, dp a multiple of {ep}" if ep > 1 else "tp x pp x dp GPUs"
     print(
-        f"exported jzero step {step} of {Path(args.dir).resolve()} as Megatron iteration {step}: {folder}\n"
-        f"continue it in Megatron-LM (pretrain_gpt.py with your data and tokenizer; the vocabulary padded to "
-        f"model.vocab_size={cfg.model.vocab_size}):\n  {megatron_flags(cfg, args.bucket_size, args.out)}"
+        f"exported jzero step {step} of {Path(args.dir).resolve()} as Megatron iteration {step}: {folder} "
+        f"({ranks}legacy format)\n"
+        f"continue it in Megatron-LM (pretrain_gpt.py with your data and tokenizer, on {world}; the vocabulary "
+        f"padded to model.vocab_size={m.vocab_size}):\n  {megatron_flags(cfg, args.bucket_size, args.out, parallel)}"
     )
     if cfg.model.mlp == MlpKind.GELU:
         print(TANH_GELU_NOTE, file=sys.stderr)
     return 0
+
+
+def _export_parallel(args) -> tuple[int, int, int]:
+    """The receiving run's (tp, pp, ep) from the export's flags, checked against the config in `megatron.save`."""
+    if args.ckpt_format == "torch_dist":
+        raise ConfigError(
+            "--ckpt-format torch_dist: jzero writes Megatron's legacy format only (--ckpt-format torch); Megatron-LM "
+            "loads it and can save torch_dist from there (--ckpt-format torch_dist --auto-detect-ckpt-format)"
+        )
+    parallel = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size)
+    for flag, n in zip(("tensor", "pipeline", "expert"), parallel):
+        if n < 1:
+            raise ConfigError(f"--{flag}-model-parallel-size {n} must be >= 1")
+    return parallel
 
 
 def _cmd_names(args) -> int:

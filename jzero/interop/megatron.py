@@ -7,7 +7,8 @@ the bucket-end padding cut out (`jzero.interop.megatron_format`), so a checkpoin
 jzero mesh, strategy and path whatever DP size wrote it. `read` cuts the buffers back into
 per-parameter arrays (model space, Megatron's names; `jzero.interop.megatron_read`);
 `to_train_state` / `load` put them into a `Zero`'s TrainState through its `from_model_space`;
-`save` writes the legacy format from a TrainState (`jzero.interop.megatron_save`). `names` says
+`save` writes the legacy format from a TrainState for any tensor, pipeline and expert model-parallel
+sizes (`jzero.interop.megatron_save`; `write` from model space). `names` says
 which Megatron param each jzero param is: a pytree shaped like the params whose leaves are
 Megatron names, or `Renamed` where the layouts differ (`jzero.interop.megatron_names`; jzero's
 GPT: `jzero.interop.gpt`).
@@ -41,7 +42,7 @@ from jzero.interop.megatron_format import (
 )
 from jzero.interop.megatron_names import OPTAX_MOMENT, Renamed, adam_moment, names_per_param, renamed
 from jzero.interop.megatron_read import MegatronCheckpoint, find, read
-from jzero.interop.megatron_save import Hyperparams, save
+from jzero.interop.megatron_save import Hyperparams, save, write
 from jzero.zero import Zero
 from jzero.zero.common.state import TrainState, ZeroState
 
@@ -62,6 +63,7 @@ __all__ = [
     "renamed",
     "save",
     "to_train_state",
+    "write",
 ]
 
 PyTree = Any

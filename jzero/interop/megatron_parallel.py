@@ -19,6 +19,13 @@ A gated MLP is recognised by its shapes: its fc1 has twice the rows of its fc2's
 concatenates the tp slices; `split` cuts a whole tensor into them (a torch_dist checkpoint holds
 whole tensors but each (tp, pp) rank's optimizer buffer). The same rules apply to the fp32 main
 params and Adam's moments. Expert params with tensor parallelism (expert-TP) are not handled.
+
+`join_ranks` joins a checkpoint's ranks into the whole model (reading); `rank_names` and `split_ranks`
+are its inverse, the whole model cut into each rank's local params (writing, and reading torch_dist's
+per-rank buffers): pipeline stage p holds layers [p L/pp, (p+1) L/pp) numbered from 0, the first stage
+what precedes the layers, the last what follows them; ep rank e the experts [e E/ep, (e+1) E/ep)
+numbered from 0; a tied model under pipeline parallelism keeps a copy of the embedding on its last
+stage (`output_layer.weight`). `mp_folder` names a rank's legacy folder.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from jzero.interop import InteropError
+from jzero.interop.megatron_format import EXTRA_STATE
 
 LAYER = re.compile(r"(.*?\bdecoder\.layers\.)(\d+)\.(.*)")
 EXPERT = re.compile(r"(.*\.experts\.local_experts\.)(\d+)\.(.*)")
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # the optimizer's per-param state (fp32 main params, Adam)
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
 def is_expert(name: str) -> bool:
@@ -213,3 +222,85 @@ def drop_tied_copy(order: list[str], model: dict, state: dict, what: str) -> Non
     del model[out]
     for k in STATE_KEYS:
         del state[k][out]
+
+
+def mp_folder(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
+    """Megatron-LM's legacy folder of model-parallel rank (tp, pp, ep): `mp_rank_{tp:02d}`, then `_{pp:03d}`
+    when the run has pipeline parallelism, then `_{ep:03d}` when it has expert parallelism."""
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "") + (f"_{ep:03d}" if ep_size > 1 else "")
+
+
+def rank_names(
+    order: Sequence[str], tp: int, pp: int, ep: int, tied: bool, what: str
+) -> dict[tuple[int, int, int], list[tuple[str, str]]]:
+    """Per model-parallel rank (tp, pp, ep), its (local name, global name) pairs in its registration order,
+    for the whole model's keys `order` (registration order; `_extra_state` keys go with their module):
+    the module docstring's rules. A tied model (`tied`: no output layer of its own) under pipeline
+    parallelism gets its last stage's copy of the embedding, (`output_layer.weight`, the embedding's
+    name). Raises InteropError where the model does not divide: layers over `pp`, experts over `ep`."""
+    if min(tp, pp, ep) < 1:
+        raise InteropError(f"{what}: model-parallel sizes {tp}, {pp}, {ep} must be >= 1")
+    layer_of = {n: int(m[2]) for n in order if (m := LAYER.fullmatch(n))}
+    layers = sorted(set(layer_of.values()))
+    if layers != list(range(len(layers))):
+        raise InteropError(f"{what}: its layers are numbered {layers[:8]}, not 0, 1, ...")
+    if pp > 1 and (not layers or len(layers) % pp):
+        raise InteropError(
+            f"{what}: {len(layers)} layers do not divide over {pp} pipeline stages (--pipeline-model-parallel-size); "
+            "jzero writes and reads even stages"
+        )
+    per_stage = len(layers) // pp if layers else 0
+    experts = sorted({int(m[2]) for n in order if (m := EXPERT.fullmatch(n))})
+    if ep > 1 and not experts:
+        raise InteropError(f"{what}: expert parallelism {ep} (--expert-model-parallel-size) for a dense model")
+    if ep > 1 and len(experts) % ep:
+        raise InteropError(
+            f"{what}: {len(experts)} experts do not divide over {ep} expert-parallel ranks "
+            "(--expert-model-parallel-size)"
+        )
+    per_ep = len(experts) // ep if experts else 0
+    first_layer = next((i for i, n in enumerate(order) if n in layer_of), len(order))
+    out: dict[tuple[int, int, int], list[tuple[str, str]]] = {}
+    for t, p, e in np.ndindex(tp, pp, ep):
+        local: list[tuple[str, str]] = []
+        for i, n in enumerate(order):
+            if n in layer_of:
+                if layer_of[n] // per_stage != p:
+                    continue
+                m = EXPERT.fullmatch(n)
+                if m and int(m[2]) // per_ep != e:
+                    continue
+                name = f"{m[1]}{int(m[2]) % per_ep}.{m[3]}" if m else n
+                lm = LAYER.fullmatch(name)
+                name = f"{lm[1]}{int(lm[2]) - p * per_stage}.{lm[3]}"
+            elif (p != 0 and i < first_layer) or (p != pp - 1 and i > first_layer):
+                continue  # before the layers: the first stage's; after them: the last stage's
+            else:
+                name = n
+            local.append((name, n))
+        if tied and pp > 1 and p == pp - 1:  # the copy, where Megatron registers its output layer
+            at = next((i for i, (n, _) in enumerate(local) if n == f"output_layer.{EXTRA_STATE}"), len(local))
+            local.insert(at, (OUTPUT, EMBEDDING))
+        out[int(t), int(p), int(e)] = local
+    return out
+
+
+def split_ranks(
+    order: Sequence[str], arrays: dict[str, np.ndarray], tp: int, pp: int, ep: int, tied: bool, what: str
+) -> dict[tuple[int, int, int], dict[str, np.ndarray]]:
+    """Per model-parallel rank, its local arrays by local name (registration order): `arrays` (the whole
+    model's, by global name; a key of `order` without an array, an `_extra_state`, is left out) cut by
+    `rank_names` and `split`. `join_ranks` is its inverse."""
+    glu = gated({n: tuple(x.shape) for n, x in arrays.items()})
+    pieces: dict[str, list[np.ndarray]] = {}
+    out = {}
+    for (t, p, e), names in rank_names(order, tp, pp, ep, tied, what).items():
+        local = {}
+        for name, g in names:
+            if g not in arrays:
+                continue
+            if g not in pieces:
+                pieces[g] = split(g, arrays[g], tp, glu)
+            local[name] = pieces[g][t]
+        out[t, p, e] = local
+    return out

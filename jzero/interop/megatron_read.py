@@ -42,19 +42,16 @@ from jzero.interop.megatron_format import (
     layout_bucket_numels,
 )
 from jzero.interop.megatron_parallel import (
-    EXPERT,
-    LAYER,
+    EMBEDDING,
+    OUTPUT,
     STATE_KEYS,
     Rank,
     drop_tied_copy,
-    gated,
     is_expert,
     join_ranks,
-    split,
+    split_ranks,
 )
 from jzero.interop.torch_dist import TorchDist, is_torch_dist
-
-EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
 @dataclasses.dataclass
@@ -160,10 +157,18 @@ def read(path: str | Path, *, bucket_size: int | None = None, names: Sequence[st
 
 
 def _legacy_bucket_numels(
-    directory: Path, numels: list[int], coalesced: int, bucket_size: int | None, args: Any, shared: list[bool]
+    directory: Path,
+    numels: list[int],
+    coalesced: int,
+    bucket_size: int | None,
+    args: Any,
+    shared: list[bool],
+    later_stage: bool = False,
 ) -> tuple[tuple[int, ...], str]:
     source = "bucket_size"
-    if bucket_size is None and args is not None and hasattr(args, "ddp_bucket_size"):
+    if later_stage:  # Megatron's DDP buckets the first pipeline stage only
+        bucket_size, source = None, "a pipeline stage after the first: one bucket"
+    elif bucket_size is None and args is not None and hasattr(args, "ddp_bucket_size"):
         if not getattr(args, "overlap_grad_reduce", True):
             source = "the run's args (no --overlap-grad-reduce: one bucket)"
         else:
@@ -335,7 +340,7 @@ def _read_legacy(
                 continue
             shared = [tied and ((n == EMBEDDING and key[1] == 0) or (n == OUTPUT and key[1] == last)) for n in params]
             cut, sizes, source = _legacy_buffer(opt, owhat, directory, params, shapes, bucket_size, sd.get("args"),
-                                                shared)  # fmt: skip
+                                                shared, key[1] > 0)  # fmt: skip
             for k in STATE_KEYS:
                 state[k].update(cut[k])
             if i == 0 and sizes0 is None:
@@ -348,7 +353,7 @@ def _read_legacy(
                    sizes0 or (), notes)  # fmt: skip
 
 
-def _legacy_buffer(opt, owhat, directory, params, shapes, bucket_size, args, shared):
+def _legacy_buffer(opt, owhat, directory, params, shapes, bucket_size, args, shared, later_stage=False):
     _, buf = _one_buffer(opt, owhat)
     vectors = {k: buf.get(k) for k in STATE_KEYS}
     if not all(isinstance(v, np.ndarray) and v.ndim == 1 for v in vectors.values()):
@@ -357,7 +362,7 @@ def _legacy_buffer(opt, owhat, directory, params, shapes, bucket_size, args, sha
     if any(len(v) != coalesced for v in vectors.values()) or buf.get("numel_unpadded") not in (None, coalesced):
         raise InteropError(f"{owhat} is damaged: its vectors have different lengths")
     numels = [math.prod(shapes[k]) for k in params]
-    sizes, source = _legacy_bucket_numels(directory, numels, coalesced, bucket_size, args, shared)
+    sizes, source = _legacy_bucket_numels(directory, numels, coalesced, bucket_size, args, shared, later_stage)
     return _cut(vectors, params, shapes, bucket_positions(numels, sizes, owhat), sizes), sizes, source
 
 
@@ -568,7 +573,7 @@ def _read_dp_reshardable(td, directory, common, model, order, shapes, opt_keys) 
         raise InteropError(f"{what}: expert optimizer groups {sorted(groups_by_opt[1])} do not fit pp {pp}; jzero "
                            "reads experts without tensor parallelism (expert-TP)")  # fmt: skip
     tied = OUTPUT not in model and EMBEDDING in model
-    locals_ = _split_ranks(model, order, tp, pp, ep, tied, what)
+    locals_ = split_ranks(order, model, tp, pp, ep, tied, what)
     ranks, sizes0, iteration = {}, None, common.get("iteration")
     for (t, p, e), local in locals_.items():
         state: dict[str, dict[str, np.ndarray]] = {k: {} for k in STATE_KEYS}
@@ -627,46 +632,6 @@ def _vector_key(prefix: str, per_buffer: Any, bucket: int, key: str) -> str:
     dtype_key = next(iter(per_buffer))
     dtype_name = f"dtype_({dtype_key[0]!r}, {dtype_key[1]!r})" if isinstance(dtype_key, tuple) else str(dtype_key)
     return f"{prefix}gbuf_idx_0.{dtype_name}.bucket_idx_{bucket}.{key}"
-
-
-def _split_ranks(model: dict, order: list[str], tp: int, pp: int, ep: int, tied: bool, what: str) -> dict:
-    """Per model-parallel rank (tp, pp, ep), its local params (local names, registration order) cut from
-    the whole model: pipeline stage p holds layers [p L/pp, (p+1) L/pp) numbered from 0, the first
-    stage what precedes the layers, the last what follows them (and, tied under pipeline parallelism,
-    its copy of the embedding as `output_layer.weight`); ep rank e the experts [e E/ep, (e+1) E/ep)."""
-    layer_of = {n: int(m[2]) for n in order if (m := LAYER.fullmatch(n))}
-    n_layers = len(set(layer_of.values()))
-    if n_layers % pp:
-        raise InteropError(f"{what}: {n_layers} layers over {pp} pipeline stages; jzero reads even stages only")
-    per_stage = n_layers // pp
-    experts = {int(m[2]) for n in order if (m := EXPERT.fullmatch(n))}
-    if experts and len(experts) % ep:
-        raise InteropError(f"{what}: {len(experts)} experts over {ep} expert-parallel ranks")
-    per_ep = len(experts) // ep if experts else 0
-    first_layer = next((i for i, n in enumerate(order) if n in layer_of), len(order))
-    glu = gated({n: tuple(x.shape) for n, x in model.items()})
-    out = {}
-    for t, p, e in np.ndindex(tp, pp, ep):
-        local: dict[str, np.ndarray] = {}
-        for i, n in enumerate(order):
-            if n in layer_of:
-                if layer_of[n] // per_stage != p:
-                    continue
-                m = EXPERT.fullmatch(n)
-                if m and int(m[2]) // per_ep != e:
-                    continue
-                name = f"{m[1]}{int(m[2]) % per_ep}.{m[3]}" if m else n
-                lm = LAYER.fullmatch(name)
-                name = f"{lm[1]}{int(lm[2]) - p * per_stage}.{lm[3]}"
-            elif (p != 0 and i < first_layer) or (p != pp - 1 and i > first_layer):
-                continue  # before the layers: the first stage's; after them: the last stage's
-            else:
-                name = n
-            local[name] = split(n, model[n], tp, glu)[t]
-        if tied and pp > 1 and p == pp - 1:
-            local[OUTPUT] = split(EMBEDDING, model[EMBEDDING], tp, glu)[t]
-        out[t, p, e] = local
-    return out
 
 
 def _cut(flat: dict[str, Any], order: list[str], shapes: dict, positions, bucket_numels) -> dict:

@@ -1,10 +1,13 @@
 """Writing a jzero TrainState as Megatron-LM's legacy distributed-optimizer checkpoint, for Megatron to
 continue the run (docs/megatron.md, "Moving a run between Megatron and jzero").
 
-`save` writes `iter_N/mp_rank_00/{model_optim_rng.pt, distrib_optim.pt}`: the model's state dict,
-the param groups and LR scheduler Megatron checks against its flags (`Hyperparams`), and the fp32
-main params and Adam's moments in Megatron's flat buffer (`jzero.interop.megatron_format`), laid
-out for the receiving run's `--ddp-bucket-size`.
+`save` writes `iter_N/mp_rank_XX[_YYY][_ZZZ]/{model_optim_rng.pt, distrib_optim.pt}` for the receiving
+run's tensor, pipeline and expert model-parallel sizes (one `mp_rank_00` without them): per rank its
+slice of the model's state dict (`jzero.interop.megatron_parallel`'s split, the inverse of the import's
+join), the param groups and LR scheduler Megatron checks against its flags (`Hyperparams`), and the
+fp32 main params and Adam's moments in that rank's flat buffers (`jzero.interop.megatron_format`), laid
+out for the receiving run's `--ddp-bucket-size`. `write` does it from model space (whole arrays by
+Megatron name), `save` from a jzero TrainState.
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ from jzero.interop.megatron_format import (
     layout_bucket_numels,
 )
 from jzero.interop.megatron_names import OPTAX_MOMENT, adam_moment, names_per_param
+from jzero.interop.megatron_parallel import (
+    EMBEDDING,
+    OUTPUT,
+    STATE_KEYS,
+    gated,
+    is_expert,
+    mp_folder,
+    rank_names,
+    split_ranks,
+    tp_dim,
+)
 from jzero.zero import Zero
 from jzero.zero.common.state import TrainState
 
@@ -112,11 +126,11 @@ def _groups(zero: Zero, hp: Hyperparams, step: int) -> list[dict]:
         pairs |= {(float(g.wd_mult), float(g.lr_mult)) for g in leaves}
     return [
         {
+            "is_expert_parallel": False,  # Megatron's keys, in its order
+            "default_config": True,
             "wd_mult": wd_mult,
             "lr_mult": lr_mult,
-            "is_expert_parallel": False,
             "is_decoupled_lr": False,
-            "default_config": True,
             "max_lr": hp.lr,
             "min_lr": hp.min_lr,
             "lr": hp.lr * lr_mult,
@@ -156,16 +170,20 @@ def save(
     hyperparams: Hyperparams,
     bucket_size: int | None = None,
     order: Sequence[str] | None = None,
+    parallel: tuple[int, int, int] = (1, 1, 1),
+    query_groups: int | None = None,
 ) -> Path:
-    """Writes `state` as Megatron's legacy checkpoint under `path`: `iter_N/mp_rank_00/{model_optim_rng.pt,
-    distrib_optim.pt}` and `latest_checkpointed_iteration.txt`, N the state's step; returns the iter_N folder.
+    """Writes `state` as Megatron's legacy checkpoint under `path`: `iter_N/mp_rank_XX[_YYY][_ZZZ]/
+    {model_optim_rng.pt, distrib_optim.pt}` per model-parallel rank and `latest_checkpointed_iteration.txt`,
+    N the state's step; returns the iter_N folder (`write` says what the files hold).
 
-    What Megatron's model loading and `DistributedOptimizer.load_parameter_state` read, with the buffer
-    laid out for `bucket_size` (the receiving run's `--ddp-bucket-size`; None: one bucket, Megatron's
-    layout without `--overlap-grad-reduce`) and the params in `order`: Megatron's registration order,
-    every model state-dict key (keys ending in `_extra_state` are written as None), by default the
-    order of `names`' leaves. It must be the receiving model's order, or Megatron lays the state out
-    differently. No RNG state and no `args` are written (Megatron-LM: `--no-load-rng`).
+    The params go in `order`: Megatron's registration order, every model state-dict key (keys ending in
+    `_extra_state` are written as None), by default the order of `names`' leaves. It must be the
+    receiving model's order, or Megatron lays the state out differently. `parallel`: the receiving run's
+    (tensor, pipeline, expert) model-parallel sizes; `query_groups`: the model's attention query groups
+    (`--num-query-groups`, the heads without grouped-query attention), needed to split QKV over tensor
+    parallelism. The fp32 main params and Adam's moments come from the state in model space (any mesh,
+    path and strategy). No RNG state and no `args` are written (Megatron-LM: `--no-load-rng`).
 
     Arrays are gathered whole on the host (as Megatron's own save gathers on DP rank 0); with many
     processes process 0 writes.
@@ -183,47 +201,155 @@ def save(
                 if n in per_name[key]:
                     raise InteropError(f"names: Megatron param {n} is given twice")
                 per_name[key][n] = np.asarray(x)
-    produced = list(per_name["model"])
-    order = list(produced if order is None else order)
-    params_order = [k for k in order if not k.endswith(EXTRA_STATE)]
-    if sorted(params_order) != sorted(produced):
-        extra = sorted(set(params_order) ^ set(produced))
-        raise InteropError(f"order and names disagree on Megatron params: {', '.join(extra[:4])}")
-    experts = [k for k in params_order if ".experts." in k]
-    if experts:  # Megatron keeps them in a second buffer and optimizer, over the expert-DP group
-        raise InteropError(f"{experts[0]} is an expert param: jzero writes Megatron checkpoints of dense models only")
-    numels = [per_name["model"][k].size for k in params_order]
-    sizes = layout_bucket_numels(numels, bucket_size)
-    positions = bucket_positions(numels, sizes, "save")
-    coalesced = {k: np.zeros(sum(sizes), np.float32) for k in ("param", *MOMENTS)}
+    return write(
+        path, iteration=iteration, model=per_name["model"], main=per_name["param"], exp_avg=per_name["exp_avg"],
+        exp_avg_sq=per_name["exp_avg_sq"], order=list(per_name["model"]) if order is None else order,
+        param_groups=_groups(zero, hyperparams, step), scheduler=_scheduler(hyperparams, iteration),
+        bucket_size=bucket_size, grad_dtype=hyperparams.grad_dtype, parallel=parallel, query_groups=query_groups,
+    )  # fmt: skip
+
+
+def _check_divides(model: dict[str, np.ndarray], tp: int, query_groups: int | None, what: str) -> None:
+    """One line for a model that tensor parallelism `tp` does not divide as Megatron splits it."""
+    if tp == 1:
+        return
+    expert = next((n for n in model if is_expert(n)), None)
+    if expert is not None:
+        raise InteropError(
+            f"{what}: {expert} is an expert param; jzero writes MoE models without tensor parallelism "
+            "(--tensor-model-parallel-size 1: expert-TP is not written)"
+        )
+    glu = gated({n: tuple(x.shape) for n, x in model.items()})
+    for name, x in model.items():
+        dim = tp_dim(name)
+        if dim is None:
+            continue
+        if name.endswith((EMBEDDING, OUTPUT)) and x.shape[0] % tp:
+            raise InteropError(
+                f"{what}: the padded vocabulary of {x.shape[0]} (model.vocab_size) does not divide over tensor "
+                f"parallelism {tp} (--tensor-model-parallel-size); pad it to a multiple of {tp}"
+            )
+        if ".linear_qkv." in name:
+            if query_groups is None:
+                raise InteropError(f"{what}: splitting {name} over tensor parallelism {tp} needs query_groups")
+            if query_groups % tp:
+                raise InteropError(
+                    f"{what}: {query_groups} attention query groups (model.n_kv_heads, or model.n_heads: "
+                    f"--num-query-groups) do not divide over tensor parallelism {tp} (--tensor-model-parallel-size)"
+                )
+        rows = x.shape[dim] // (2 if ".linear_fc1." in name and name[: name.rindex("linear_fc1.")] in glu else 1)
+        if ".linear_fc" in name and rows % tp:
+            raise InteropError(
+                f"{what}: the MLP's {rows} hidden units (model.d_ff, --ffn-hidden-size) do not divide over tensor "
+                f"parallelism {tp} (--tensor-model-parallel-size)"
+            )
+
+
+def _buffer(
+    arrays: dict[str, dict[str, np.ndarray]], params: list[str], sizes: tuple[int, ...], dtype_key, where: str
+) -> dict:
+    """Megatron's `distrib_optim.pt` state of one buffer: per key (param, exp_avg, exp_avg_sq) every bucket's
+    `[offset, offset + numel_unpadded)` concatenated, the params at their (bucket, start), gaps 0."""
+    numels = [arrays["param"][n].size for n in params]
+    positions = bucket_positions(numels, sizes, where)
+    coalesced = {k: np.zeros(sum(sizes), np.float32) for k in STATE_KEYS}
     offsets = np.cumsum([0, *sizes])
-    for name, (b, start) in zip(params_order, positions):
+    for name, (b, start) in zip(params, positions):
         for k, vec in coalesced.items():
-            x = per_name[k][name].astype(np.float32).reshape(-1)
+            x = arrays[k][name].astype(np.float32).reshape(-1)
             vec[offsets[b] + start : offsets[b] + start + x.size] = x
-    model = OrderedDict((k, None if k.endswith(EXTRA_STATE) else per_name["model"][k]) for k in order)
-    param_dtype = torch_format.torch_dtype(per_name["model"][params_order[0]].dtype)
-    dtype_key = (param_dtype, torch_format.TorchDType(hyperparams.grad_dtype))
-    if len({per_name["model"][k].dtype for k in params_order}) != 1:
+    return {"buckets_coalesced": True, 0: {dtype_key: {**coalesced, "numel_unpadded": int(sum(sizes))}}}
+
+
+def write(
+    path: str | Path,
+    *,
+    iteration: int,
+    model: dict[str, np.ndarray],
+    main: dict[str, np.ndarray],
+    exp_avg: dict[str, np.ndarray],
+    exp_avg_sq: dict[str, np.ndarray],
+    order: Sequence[str],
+    param_groups: list[dict],
+    scheduler: dict,
+    bucket_size: int | None = None,
+    grad_dtype: str = "float32",
+    parallel: tuple[int, int, int] = (1, 1, 1),
+    query_groups: int | None = None,
+    tied: bool | None = None,
+) -> Path:
+    """Writes a model-space state (whole arrays by Megatron name, those of the model without parallelism:
+    `MegatronCheckpoint`'s) as Megatron's legacy checkpoint for a run of `parallel` = (tp, pp, ep);
+    returns the `iter_{iteration}` folder. Megatron-LM's files, per model-parallel rank (`mp_folder`):
+
+    `model_optim_rng.pt`: the rank's local state dict in registration order (`megatron_parallel.rank_names`:
+    its pipeline stage's layers and its expert-parallel rank's experts numbered from 0, tensor-parallel
+    slices by `megatron_parallel.split`; `_extra_state` None), the iteration, the optimizer's
+    `param_groups` (Adam's hyperparameters, read by Megatron's loader; a MoE model's optimizer is a
+    list: the dense one's groups, then the expert one's, marked `is_expert_parallel`), the LR
+    `scheduler`'s state.
+
+    `distrib_optim.pt`: per distributed optimizer the rank's buffer (`_buffer`), laid out for
+    `bucket_size` on the first pipeline stage (Megatron's DDP buckets no later stage) with a shared
+    embedding's own bucket (tied, under pipeline parallelism: both copies of the embedding, each on its
+    stage); a MoE model's is the list [dense, experts], the dense state only on ep rank 0 (the dense DP
+    group spans the ep ranks), `[None, experts]` on the others. `tied`: whether the output layer is the
+    embedding (default: the model has no `output_layer.weight`).
+    """
+    tp, pp, ep = (int(x) for x in parallel)
+    what = f"Megatron checkpoint for tp {tp}, pp {pp}, ep {ep}"
+    for size, flag in ((tp, "tensor"), (pp, "pipeline"), (ep, "expert")):
+        if size < 1:
+            raise InteropError(f"{what}: {flag}-model-parallel size {size} must be >= 1")
+    order = list(order)
+    params_order = [k for k in order if not k.endswith(EXTRA_STATE)]
+    if sorted(params_order) != sorted(model):
+        extra = sorted(set(params_order) ^ set(model))
+        raise InteropError(f"order and names disagree on Megatron params: {', '.join(extra[:4])}")
+    if len({model[k].dtype for k in params_order}) != 1:
         raise InteropError("save: Megatron's distributed optimizer needs one param dtype")
+    tied = (OUTPUT not in model and EMBEDDING in model) if tied is None else tied
+    _check_divides(model, tp, query_groups, what)
+    whole = {"model": model, "param": main, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    ranks = {k: split_ranks(order, {n: whole[k][n] for n in params_order}, tp, pp, ep, tied, what) for k in whole}
+    local_names = rank_names(order, tp, pp, ep, tied, what)
+    dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
+    moe = any(is_expert(n) for n in params_order)
+    groups = {"optimizer": {"param_groups": param_groups}}
+    if moe:
+        experts_groups = [{**g, "is_expert_parallel": True} for g in param_groups]
+        groups = [groups, {"optimizer": {"param_groups": experts_groups}}]
     folder = Path(path) / f"iter_{iteration:07d}"
-    if jax.process_index() != 0:
-        return folder
-    (folder / "mp_rank_00").mkdir(parents=True, exist_ok=True)
-    torch_format.save(
-        {
+    files = {}
+    for (t, p, e), names in local_names.items():
+        arrays = {k: ranks[k][t, p, e] for k in whole}
+        local = [n for n, _ in names if not n.endswith(EXTRA_STATE)]
+        buffers = []
+        for i, params in enumerate([[n for n in local if not is_expert(n)], [n for n in local if is_expert(n)]]):
+            if i == 1 and not moe:
+                continue
+            if (i == 0 and e > 0) or not params:  # the dense state is ep rank 0's
+                buffers.append(None)
+                continue
+            shared = [tied and pp > 1 and (n, p) in ((EMBEDDING, 0), (OUTPUT, pp - 1)) for n in params]
+            numels = [arrays["param"][n].size for n in params]
+            sizes = layout_bucket_numels(numels, bucket_size if p == 0 else None, shared)
+            where = f"{what}, {mp_folder(t, p, e, pp, ep)}"
+            buffers.append(_buffer(arrays, params, sizes, dtype_key, where))
+        model_file = {
             "checkpoint_version": 3.0,
             "iteration": iteration,
-            "model": model,
-            "optimizer": {"optimizer": {"param_groups": _groups(zero, hyperparams, step)}},
-            "opt_param_scheduler": _scheduler(hyperparams, iteration),
+            "model": OrderedDict((n, None if n.endswith(EXTRA_STATE) else arrays["model"][n]) for n, _ in names),
+            "optimizer": groups,
+            "opt_param_scheduler": scheduler,
             "num_floating_point_operations_so_far": 0,
-        },
-        folder / "mp_rank_00" / MODEL_FILE,
-    )
-    torch_format.save(
-        {"buckets_coalesced": True, 0: {dtype_key: {**coalesced, "numel_unpadded": int(sum(sizes))}}},
-        folder / "mp_rank_00" / OPTIM_FILE,
-    )
+        }
+        files[mp_folder(t, p, e, pp, ep)] = (model_file, buffers if moe else buffers[0])
+    if jax.process_index() != 0:
+        return folder
+    for name, (model_file, optim) in files.items():
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        torch_format.save(model_file, folder / name / MODEL_FILE)
+        torch_format.save(optim, folder / name / OPTIM_FILE)
     (Path(path) / TRACKER).write_text(str(iteration))
     return folder
