@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jzero.errors import ConfigError
@@ -215,5 +216,27 @@ def make_model(cfg: Config) -> Model:
     from jzero.mesh import BATCH_AXES
 
     cls = model_class(cfg.model.impl)
+    _check_constructor(cls)
     dtype = jnp.dtype(cfg.precision.param_dtype.value)
     return cls(cfg.model, param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)
+
+
+CONSTRUCTOR_KEYWORDS = ("param_dtype", "seed", "dp_axes")
+
+
+def _check_constructor(cls: type) -> None:
+    """ConfigError naming `model.impl` when `cls(cfg.model, param_dtype=, seed=, dp_axes=)` cannot bind."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself says
+        return
+    params = signature.parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [k for k in CONSTRUCTOR_KEYWORDS if k not in names]
+    if missing:
+        raise ConfigError(
+            f"{KEY}: {cls.__name__}.__init__ takes no {', '.join(missing)}; jzero builds the model as "
+            f"{cls.__name__}(cfg.model, param_dtype=, seed=, dp_axes=) (docs/cli.md, 'A model of your own')"
+        )

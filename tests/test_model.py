@@ -125,6 +125,11 @@ def test_a_model_with_a_zero_size_param_checkpoints_and_resumes(tmp_path, capsys
         ("no_such_module:Model", "model.impl='no_such_module:Model': cannot import no_such_module"),
         ("helpers.toy_model:Nope", "model.impl='helpers.toy_model:Nope': module helpers.toy_model has no Nope"),
         ("json:JSONDecoder", "JSONDecoder has no init, abstract_params, loss_and_metrics, tp_specs"),
+        (
+            "helpers.toy_model:ToyModelWithoutDpAxes",
+            "ToyModelWithoutDpAxes.__init__ takes no dp_axes; jzero builds the model as "
+            "ToyModelWithoutDpAxes(cfg.model, param_dtype=, seed=, dp_axes=)",
+        ),
     ],
 )
 def test_bad_model_impl_is_one_line(impl, needle, tmp_path, capsys):

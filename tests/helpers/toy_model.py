@@ -56,3 +56,10 @@ class ToyModel:
 
     def layer_ndims(self, params):
         return {name: x.ndim for name, x in params.items()}
+
+
+class ToyModelWithoutDpAxes(ToyModel):
+    """A class written from an older docs/cli.md: its constructor takes no dp_axes."""
+
+    def __init__(self, cfg, param_dtype=jnp.float32, seed: int = 0):
+        super().__init__(cfg, param_dtype, seed)
