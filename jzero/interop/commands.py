@@ -40,7 +40,7 @@ def add_parsers(ckpt_sub, with_config) -> None:
     imp.set_defaults(fn=_cmd_import)
 
     exp = ckpt_sub.add_parser(
-        "export-megatron", help="a jzero checkpoint -> Megatron's legacy format (--ckpt-format torch)"
+        "export-megatron", help="a jzero checkpoint -> Megatron's legacy format or torch_dist (--ckpt-format)"
     )
     exp.add_argument("dir", metavar="CKPT_DIR", help="a jzero checkpoint directory")
     exp.add_argument("out", metavar="OUT_DIR", help="Megatron's --load directory to write iter_N/ into")
@@ -57,7 +57,11 @@ def add_parsers(ckpt_sub, with_config) -> None:
         )  # fmt: skip
     exp.add_argument(
         "--ckpt-format", choices=("torch", "torch_dist"), default="torch",
-        help="Megatron's checkpoint format: torch (legacy), the one jzero writes",
+        help="Megatron's checkpoint format: torch (legacy, default) or torch_dist (dp_reshardable optimizer state)",
+    )  # fmt: skip
+    exp.add_argument(
+        "--data-parallel-size", type=int, metavar="N",
+        help="the Megatron run's data-parallel size (torch_dist only, required there: its buckets are padded for it)",
     )  # fmt: skip
     exp.set_defaults(fn=_cmd_export)
 
@@ -168,7 +172,9 @@ TANH_GELU_NOTE = (
 _AUX_LOSS = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global": "global_aux_loss"}
 
 
-def megatron_flags(cfg: Config, bucket_size: int | None, load: str, parallel: tuple[int, int, int] = (1, 1, 1)) -> str:
+def megatron_flags(
+    cfg: Config, bucket_size: int | None, load: str, parallel: tuple[int, int, int] = (1, 1, 1), ckpt_format="torch"
+) -> str:
     """The Megatron-LM flags that describe the config's GPT, optimizer and schedule, and the export's model
     parallelism, to continue an export. `--make-vocab-size-divisible-by V/tp` makes Megatron pad any
     tokenizer's vocabulary of at most V to exactly `model.vocab_size` = V (it pads to a multiple of
@@ -221,9 +227,26 @@ def megatron_flags(cfg: Config, bucket_size: int | None, load: str, parallel: tu
         f"--clip-grad {o.clip_grad if o.clip_grad is not None else 0.0} --global-batch-size {hp.global_batch}",
         "--use-distributed-optimizer",
         f"--overlap-grad-reduce --ddp-bucket-size {bucket_size}" if bucket_size else "",
-        f"--ckpt-format torch --load {load} --no-load-rng",
+        f"--ckpt-format {ckpt_format} --load {load} --no-load-rng",
     ]
     return " ".join(f for f in flags if f)
+
+
+def megatron_args(cfg: Config, parallel: tuple[int, int, int]) -> dict:
+    """The model's Megatron-LM args for a torch_dist export's `args` (Megatron-LM's `check_checkpoint_args`
+    compares some with its flags): as `megatron_flags` prints them."""
+    m = cfg.model
+    return {
+        "num_layers": m.n_layers, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
+        "num_query_groups": m.n_kv_heads or m.n_heads, "group_query_attention": bool(m.n_kv_heads)
+        and m.n_kv_heads != m.n_heads, "ffn_hidden_size": m.d_ff, "seq_length": m.seq_len,
+        "max_position_embeddings": m.seq_len, "padded_vocab_size": m.vocab_size,
+        "make_vocab_size_divisible_by": m.vocab_size // parallel[0], "add_position_embedding": m.pos != PosKind.ROPE,
+        "position_embedding_type": "rope" if m.pos == PosKind.ROPE else "learned_absolute",
+        "swiglu": m.mlp == MlpKind.SWIGLU, "untie_embeddings_and_output_weights": not m.tie_embeddings,
+        "num_experts": m.moe.num_experts or None, "global_batch_size": cfg.train.global_batch,
+        "transformer_impl": "local",
+    }  # fmt: skip
 
 
 def _cmd_export(args) -> int:
@@ -245,16 +268,24 @@ def _cmd_export(args) -> int:
         )
     hp = hyperparams(cfg)
     m = cfg.model
+    dist = args.ckpt_format == "torch_dist"
     folder = megatron.save(args.out, state, run.zero, names, hyperparams=hp, bucket_size=args.bucket_size, order=order,
-                           parallel=parallel, query_groups=m.n_kv_heads or m.n_heads)  # fmt: skip
+                           parallel=parallel, query_groups=m.n_kv_heads or m.n_heads, ckpt_format=args.ckpt_format,
+                           data_parallel=args.data_parallel_size,
+                           model_args=megatron_args(cfg, parallel) if dist else None)  # fmt: skip
     tp, pp, ep = parallel
     ranks = f"{tp * pp * ep} model-parallel ranks (tp {tp}, pp {pp}, ep {ep}), " if tp * pp * ep > 1 else ""
     world = f"tp x pp x dp GPUs, dp a multiple of {ep}" if ep > 1 else "tp x pp x dp GPUs"
+    fmt = "legacy format"
+    if dist:
+        world = f"tp x pp x {args.data_parallel_size} GPUs: dp {args.data_parallel_size}"
+        fmt = f"torch_dist, dp_reshardable optimizer state for dp {args.data_parallel_size}"
+    flags = megatron_flags(cfg, args.bucket_size, args.out, parallel, args.ckpt_format)
     print(
         f"exported jzero step {step} of {Path(args.dir).resolve()} as Megatron iteration {step}: {folder} "
-        f"({ranks}legacy format)\n"
+        f"({ranks}{fmt})\n"
         f"continue it in Megatron-LM (pretrain_gpt.py with your data and tokenizer, on {world}; the vocabulary "
-        f"padded to model.vocab_size={m.vocab_size}):\n  {megatron_flags(cfg, args.bucket_size, args.out, parallel)}"
+        f"padded to model.vocab_size={m.vocab_size}):\n  {flags}"
     )
     if cfg.model.mlp == MlpKind.GELU:
         print(TANH_GELU_NOTE, file=sys.stderr)
@@ -263,10 +294,18 @@ def _cmd_export(args) -> int:
 
 def _export_parallel(args) -> tuple[int, int, int]:
     """The receiving run's (tp, pp, ep) from the export's flags, checked against the config in `megatron.save`."""
-    if args.ckpt_format == "torch_dist":
+    dp = args.data_parallel_size
+    if args.ckpt_format == "torch_dist" and dp is None:
         raise ConfigError(
-            "--ckpt-format torch_dist: jzero writes Megatron's legacy format only (--ckpt-format torch); Megatron-LM "
-            "loads it and can save torch_dist from there (--ckpt-format torch_dist --auto-detect-ckpt-format)"
+            "--ckpt-format torch_dist needs --data-parallel-size N, the Megatron run's data-parallel size (GPUs / "
+            "(tp x pp)): torch_dist's optimizer buckets are padded for it"
+        )
+    if args.ckpt_format == "torch" and dp is not None:
+        raise ConfigError("--data-parallel-size is for --ckpt-format torch_dist: the legacy files load at any dp")
+    if dp is not None and (dp < 1 or dp % args.expert_model_parallel_size):
+        raise ConfigError(
+            f"--data-parallel-size {dp} must be >= 1 and a multiple of --expert-model-parallel-size "
+            f"{args.expert_model_parallel_size}"
         )
     parallel = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size)
     for flag, n in zip(("tensor", "pipeline", "expert"), parallel):

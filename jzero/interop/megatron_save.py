@@ -13,6 +13,8 @@ Megatron name), `save` from a jzero TrainState.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jzero.interop import InteropError, torch_format
+from jzero.interop import InteropError, torch_dist, torch_format
 from jzero.interop.megatron_format import (
     EXTRA_STATE,
     MODEL_FILE,
@@ -34,6 +36,7 @@ from jzero.interop.megatron_format import (
 from jzero.interop.megatron_names import OPTAX_MOMENT, adam_moment, names_per_param
 from jzero.interop.megatron_parallel import (
     EMBEDDING,
+    LAYER,
     OUTPUT,
     STATE_KEYS,
     gated,
@@ -172,6 +175,9 @@ def save(
     order: Sequence[str] | None = None,
     parallel: tuple[int, int, int] = (1, 1, 1),
     query_groups: int | None = None,
+    ckpt_format: str = "torch",
+    data_parallel: int | None = None,
+    model_args: dict | None = None,
 ) -> Path:
     """Writes `state` as Megatron's legacy checkpoint under `path`: `iter_N/mp_rank_XX[_YYY][_ZZZ]/
     {model_optim_rng.pt, distrib_optim.pt}` per model-parallel rank and `latest_checkpointed_iteration.txt`,
@@ -184,6 +190,8 @@ def save(
     (`--num-query-groups`, the heads without grouped-query attention), needed to split QKV over tensor
     parallelism. The fp32 main params and Adam's moments come from the state in model space (any mesh,
     path and strategy). No RNG state and no `args` are written (Megatron-LM: `--no-load-rng`).
+    `ckpt_format="torch_dist"`: Megatron's torch_dist with `dp_reshardable` optimizer state instead, for a
+    receiving run of data-parallel size `data_parallel` (`write` says more).
 
     Arrays are gathered whole on the host (as Megatron's own save gathers on DP rank 0); with many
     processes process 0 writes.
@@ -206,6 +214,7 @@ def save(
         exp_avg_sq=per_name["exp_avg_sq"], order=list(per_name["model"]) if order is None else order,
         param_groups=_groups(zero, hyperparams, step), scheduler=_scheduler(hyperparams, iteration),
         bucket_size=bucket_size, grad_dtype=hyperparams.grad_dtype, parallel=parallel, query_groups=query_groups,
+        ckpt_format=ckpt_format, data_parallel=data_parallel, model_args=model_args,
     )  # fmt: skip
 
 
@@ -277,6 +286,9 @@ def write(
     parallel: tuple[int, int, int] = (1, 1, 1),
     query_groups: int | None = None,
     tied: bool | None = None,
+    ckpt_format: str = "torch",
+    data_parallel: int | None = None,
+    model_args: dict | None = None,
 ) -> Path:
     """Writes a model-space state (whole arrays by Megatron name, those of the model without parallelism:
     `MegatronCheckpoint`'s) as Megatron's legacy checkpoint for a run of `parallel` = (tp, pp, ep);
@@ -295,7 +307,15 @@ def write(
     stage); a MoE model's is the list [dense, experts], the dense state only on ep rank 0 (the dense DP
     group spans the ep ranks), `[None, experts]` on the others. `tied`: whether the output layer is the
     embedding (default: the model has no `output_layer.weight`).
+
+    `ckpt_format="torch_dist"` writes Megatron's `--ckpt-format torch_dist` instead, with `dp_reshardable`
+    optimizer state (`_write_torch_dist`): `iter_N/` holds the whole tensors (layers stacked), per
+    model-parallel group its buffers' per-bucket vectors, laid out as above and padded for
+    `data_parallel`, the receiving run's data-parallel size; `model_args` go into its `args` (Megatron-LM
+    compares `num_layers`, `hidden_size`, ... with its flags).
     """
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise InteropError(f"ckpt_format {ckpt_format!r}: jzero writes Megatron's torch (legacy) and torch_dist")
     tp, pp, ep = (int(x) for x in parallel)
     what = f"Megatron checkpoint for tp {tp}, pp {pp}, ep {ep}"
     for size, flag in ((tp, "tensor"), (pp, "pipeline"), (ep, "expert")):
@@ -311,9 +331,14 @@ def write(
     tied = (OUTPUT not in model and EMBEDDING in model) if tied is None else tied
     _check_divides(model, tp, query_groups, what)
     whole = {"model": model, "param": main, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
+    if ckpt_format == "torch_dist":
+        if (Path(path) / f"iter_{iteration:07d}").exists():
+            raise InteropError(f"{Path(path) / f'iter_{iteration:07d}'} exists: jzero never overwrites a checkpoint")
+        return _write_torch_dist(path, iteration, whole, order, params_order, param_groups, scheduler, bucket_size,
+                                 dtype_key, (tp, pp, ep), tied, data_parallel, model_args, what)  # fmt: skip
     ranks = {k: split_ranks(order, {n: whole[k][n] for n in params_order}, tp, pp, ep, tied, what) for k in whole}
     local_names = rank_names(order, tp, pp, ep, tied, what)
-    dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
     moe = any(is_expert(n) for n in params_order)
     groups = {"optimizer": {"param_groups": param_groups}}
     if moe:
@@ -351,5 +376,162 @@ def write(
         (folder / name).mkdir(parents=True, exist_ok=True)
         torch_format.save(model_file, folder / name / MODEL_FILE)
         torch_format.save(optim, folder / name / OPTIM_FILE)
+    (Path(path) / TRACKER).write_text(str(iteration))
+    return folder
+
+
+# ---------------------------------------------------------------- torch_dist (dp_reshardable)
+
+# Megatron's local layer spec saves its norms under Transformer Engine's names in torch_dist
+# (`megatron_read._DIST_KEY_MAPS`, the other way): (the local name's module, TE's).
+_TE_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))  # fmt: skip
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")
+MARKER = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+          "common_backend_version": 1}  # fmt: skip
+# What Megatron-LM saves as `content_metadata` (its `_build_sharded_state_dict_metadata`) and reads back to
+# build the sharded state dict it loads: without it, it assumes an older checkpoint's sharding type.
+CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True}  # fmt: skip
+
+
+def _dist_key(name: str, what: str) -> tuple[str, tuple[int, ...]]:
+    """(torch_dist key, index into its stacked tensor) of a whole-model name: layers stacked on a leading [L]
+    axis, a layer's experts on [L, E] under `mlp.experts.experts.`, the norms under TE's names."""
+    m = LAYER.fullmatch(name)
+    if m is None:
+        return name, ()
+    rest, index = m[3], (int(m[2]),)
+    e = _LOCAL_EXPERT.fullmatch(rest)
+    if e:
+        rest, index = f"mlp.experts.experts.{e[2]}", (*index, int(e[1]))
+    for local, te in _TE_NAMES:
+        if rest.startswith(local):
+            rest = te + rest[len(local) :]
+    return f"{m[1]}{rest}", index
+
+
+def _stacked(arrays: dict[str, np.ndarray], names: list[str], what: str) -> dict[str, np.ndarray]:
+    """The torch_dist model tensors of `arrays` (whole model, by name): per `_dist_key`, the stack of its
+    layers' (and experts') arrays. Refuses a model whose layers differ (each key needs every layer)."""
+    groups: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
+    for n in names:
+        key, index = _dist_key(n, what)
+        groups.setdefault(key, {})[index] = arrays[n]
+    n_layers = len({int(m[2]) for n in names if (m := LAYER.fullmatch(n))})
+    n_experts = len({i[1] for parts in groups.values() for i in parts if len(i) == 2})
+    out = {}
+    for key, parts in groups.items():
+        if list(parts) == [()]:
+            out[key] = parts[()]
+            continue
+        dims = (n_layers, n_experts)[: len(next(iter(parts)))]
+        if sorted(parts) != [tuple(int(x) for x in i) for i in np.ndindex(*dims)]:
+            raise InteropError(
+                f"{what}: torch_dist stacks the layers (and experts) of {key}, but the model has it in only some of "
+                "them (mixed layers: write the legacy format, --ckpt-format torch)"
+            )
+        first = next(iter(parts.values()))
+        stack = np.empty((*dims, *first.shape), first.dtype)
+        for i, x in parts.items():
+            stack[i] = x
+        out[key] = stack
+    return out
+
+
+def _extra_state_objects(order: list[str]) -> dict[str, Any]:
+    """Megatron's `_extra_state` objects of the layers' modules (None in its local spec, saved as `[None]`):
+    `<stacked module>._extra_state/shard_<l>_<L>`, an expert's `shard_<l>.<e>_<L>.<E>`."""
+    layers = {int(m[2]) for n in order if (m := LAYER.fullmatch(n))}
+    experts = {int(e[1]) for n in order if (m := LAYER.fullmatch(n)) and (e := _LOCAL_EXPERT.fullmatch(m[3]))}
+    out = {}
+    for n in order:
+        if not n.endswith(EXTRA_STATE) or not LAYER.fullmatch(n):
+            continue
+        key, index = _dist_key(n, "")
+        shape = (len(layers), len(experts))[: len(index)]
+        out[f"{key}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"] = [None]
+    return out
+
+
+def _padded(sizes: Sequence[int], dp: int) -> list[int]:
+    """Megatron's per-bucket padded sizes for data-parallel size `dp` (each bucket to a multiple of lcm(dp, 128))."""
+    div = math.lcm(dp, 128)
+    return [-(-int(s) // div) * div for s in sizes]
+
+
+def _args(parallel, dp: int, iteration: int, scheduler: dict, bucket_size: int | None, model_args: dict | None):
+    """The `args` Megatron-LM's torch_dist load reads from common.pt (it takes TP and PP from it, and compares
+    the model's sizes): the receiving run's sizes, no RNG state saved (`no_save_rng`)."""
+    tp, pp, ep = parallel
+    samples = int(scheduler.get("num_steps", 0)) if isinstance(scheduler, dict) else 0
+    return torch_format.Namespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1, data_parallel_size=dp, context_parallel_size=1,
+        world_size=tp * pp * dp, use_distributed_optimizer=True, ckpt_format="torch_dist",
+        ddp_bucket_size=bucket_size, overlap_grad_reduce=bucket_size is not None, iteration=iteration,
+        consumed_train_samples=samples, consumed_valid_samples=0, no_save_rng=True, no_save_optim=False,
+        dist_ckpt_optim_fully_reshardable=False, **(model_args or {}),
+    )  # fmt: skip
+
+
+def _write_torch_dist(
+    path, iteration, whole, order, params_order, param_groups, scheduler, bucket_size, dtype_key, parallel, tied,
+    data_parallel, model_args, what,
+) -> Path:  # fmt: skip
+    """`write`'s torch_dist: Megatron's `dist_checkpointing.save` of a GPT with `dp_reshardable` optimizer state
+    (Megatron-LM's default), for a run of `parallel` and `data_parallel` (its DP size: the buckets' padded
+    sizes, `per_bucket_numel`, depend on it)."""
+    tp, pp, ep = parallel
+    moe = any(is_expert(n) for n in params_order)
+    if data_parallel is None or data_parallel < 1 or data_parallel % ep:
+        raise InteropError(
+            f"{what}: torch_dist needs the receiving run's data-parallel size (--data-parallel-size, a multiple of "
+            f"the expert-parallel size {ep}), not {data_parallel}: its buckets are padded for it"
+        )
+    expert_dp = data_parallel * tp // ep
+    folder = Path(path) / f"iter_{iteration:07d}"
+    tensors = _stacked(whole["model"], params_order, what)
+    objects = _extra_state_objects(order)
+    ranks = {k: split_ranks(order, {n: whole[k][n] for n in params_order}, tp, pp, ep, tied, what)
+             for k in ("param", *MOMENTS)}  # fmt: skip
+    dtype_name = f"dtype_({dtype_key[0]!r}, {dtype_key[1]!r})"
+    experts_groups = [{**g, "is_expert_parallel": True} for g in param_groups]
+    optim: dict[str, np.ndarray] = {}
+    for (t, p, e), names in rank_names(order, tp, pp, ep, tied, what).items():
+        local = [n for n, _ in names if not n.endswith(EXTRA_STATE)]
+        for opt, j, want, dp in ((0, t + tp * p, e == 0, data_parallel), (1, e + ep * p, moe and t == 0, expert_dp)):
+            params = [n for n in local if is_expert(n) == (opt == 1)]
+            if not want or not params:
+                continue
+            arrays = {k: ranks[k][t, p, e] for k in ranks}
+            shared = [tied and pp > 1 and (n, p) in ((EMBEDDING, 0), (OUTPUT, pp - 1)) for n in params]
+            numels = [arrays["param"][n].size for n in params]
+            sizes = layout_bucket_numels(numels, bucket_size if p == 0 else None, shared)
+            where = f"{what}, {mp_folder(t, p, e, pp, ep)}"
+            vectors = {k: [np.full(s, np.nan, np.float32) for s in sizes] for k in STATE_KEYS}
+            for name, (b, start) in zip(params, bucket_positions(numels, sizes, where)):
+                for k in STATE_KEYS:
+                    x = arrays[k][name].astype(np.float32).reshape(-1)
+                    vectors[k][b][start : start + x.size] = x
+            prefix = f"{f'chained_{opt}.' if moe else ''}optimizer.distributed.dp_group_idx_{j}."
+            for b in range(len(sizes)):
+                for k in STATE_KEYS:
+                    optim[f"{prefix}gbuf_idx_0.{dtype_name}.bucket_idx_{b}.{k}"] = vectors[k][b]
+            objects[f"{prefix}optimizer/shard_0_1"] = [{"param_groups": experts_groups if opt else param_groups}]
+            objects[f"{prefix}per_bucket_numel/shard_0_1"] = [[{dtype_key: _padded(sizes, dp)}]]
+            objects[f"{prefix}per_bucket_numel_unpadded/shard_0_1"] = [[{dtype_key: [int(s) for s in sizes]}]]
+    sharding = {"param_state_sharding_type": "dp_reshardable"}
+    common = {
+        "checkpoint_version": 3.0, "iteration": iteration, "opt_param_scheduler": scheduler,
+        "optimizer": {0: dict(sharding), 1: dict(sharding)} if moe else sharding,
+        "num_floating_point_operations_so_far": 0,
+        "args": _args(parallel, data_parallel, iteration, scheduler, bucket_size, model_args),
+        "content_metadata": dict(CONTENT_METADATA),
+    }  # fmt: skip
+    if jax.process_index() != 0:
+        return folder
+    vocab = {k: tp for k in (EMBEDDING, OUTPUT) if k in tensors}  # its chunks tell a reader the tp size
+    torch_dist.write(folder, {**tensors, **optim}, objects, common, MARKER, row_chunks=vocab)
     (Path(path) / TRACKER).write_text(str(iteration))
     return folder

@@ -17,7 +17,9 @@ unpickles a bytes entry; each reads only its own byte ranges.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +163,94 @@ class TorchDist:
         if key not in self._entries or self.is_tensor(key):
             raise InteropError(f"{self.directory}: no object {key} in the checkpoint")
         return self._read(key, None)
+
+
+# ---------------------------------------------------------------- writing
+
+_DCP = "torch.distributed.checkpoint.metadata"
+DATA_FILE = "__0_0.distcp"  # one file: torch's DCP reader takes any file names the metadata gives
+
+
+def _dcp(name: str, state: Any, module: str = _DCP) -> torch_format.Build:
+    return torch_format.Build(torch_format.Global(module, name), state)
+
+
+def _size(dims) -> torch_format.Reduce:
+    return torch_format.Reduce(torch_format.Global("torch", "Size"), (tuple(int(d) for d in dims),))
+
+
+def _properties(dtype) -> torch_format.Build:
+    """TensorProperties(dtype, torch.strided, requires_grad False, contiguous, pin_memory False): its
+    `__setstate__` takes that tuple."""
+    layout = torch_format.Reduce(torch_format.Global("torch.serialization", "_get_layout"), ("torch.strided",))
+    contiguous = torch_format.Reduce(torch_format.Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
+    return _dcp("TensorProperties", (torch_format.torch_dtype(dtype), layout, False, contiguous, False))
+
+
+def write(
+    directory: str | Path,
+    tensors: dict[str, np.ndarray],
+    objects: dict[str, Any],
+    common: dict,
+    marker: dict,
+    row_chunks: dict[str, int] | None = None,
+) -> None:
+    """Writes a torch_dist checkpoint (module docstring) into `directory` (created; it must not hold one):
+    each of `tensors` whole, as one chunk, and each of `objects` as torch.save's bytes, all in one
+    `.distcp` file; `.metadata`, a DCP `Metadata` pickle that torch's own reader loads (`pickle.load`:
+    the same classes and fields torch writes); `common.pt` (`common`) and Megatron's `metadata.json`
+    (`marker`). Keys are written in the order given, tensors first. `row_chunks`: tensors written as that
+    many chunks of equal rows (dim 0) instead, as Megatron saves a vocab-parallel embedding (readers
+    take the tensor-parallel size from it)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / METADATA_FILE).exists():
+        raise InteropError(f"{directory} already holds a torch_dist checkpoint: jzero never overwrites one")
+    entries: dict[str, Any] = {}
+    storage: list[tuple[Any, Any]] = []
+    tmp = directory / (DATA_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        for key, x in tensors.items():
+            x = np.asarray(x)
+            n = (row_chunks or {}).get(key, 1)
+            if x.ndim == 0 or len(x) % n:
+                raise InteropError(f"{directory}: {key} of shape {x.shape} does not split into {n} chunks of rows")
+            chunks = []
+            for i in range(n):
+                rows = len(x) // n if x.ndim else 0
+                piece = x[i * rows : (i + 1) * rows] if n > 1 else x
+                offset, data = f.tell(), torch_format.dumps(piece)
+                f.write(data)
+                at = _size((i * rows,) + (0,) * (x.ndim - 1))
+                chunks.append(_dcp("ChunkStorageMetadata", {"offsets": at, "sizes": _size(piece.shape)}))
+                storage.append(({"fqn": key, "offset": at, "index": i}, (offset, len(data))))
+            entries[key] = _dcp(
+                "TensorStorageMetadata", {"properties": _properties(x.dtype), "size": _size(x.shape), "chunks": chunks}
+            )
+        for key, obj in objects.items():
+            offset, data = f.tell(), torch_format.dumps(obj)
+            f.write(data)
+            entries[key] = _dcp("BytesStorageMetadata", {})
+            storage.append(({"fqn": key, "offset": None, "index": None}, (offset, len(data))))
+    os.replace(tmp, directory / DATA_FILE)
+    storage_data = {
+        _dcp("MetadataIndex", index): _dcp(
+            "_StorageInfo", {"relative_path": DATA_FILE, "offset": offset, "length": length},
+            "torch.distributed.checkpoint.filesystem",
+        )
+        for index, (offset, length) in storage
+    }  # fmt: skip
+    save_id = hashlib.sha256(b"".join(k.encode() for k in entries)).hexdigest()
+    meta = {
+        "checkpoint_id": directory.name,
+        "save_id": f"{save_id[:8]}-{save_id[8:12]}-{save_id[12:16]}-{save_id[16:20]}-{save_id[20:32]}",
+        "load_id": None,
+        "modules": [],
+    }
+    metadata = _dcp("Metadata", {
+        "state_dict_metadata": entries, "planner_data": None, "storage_data": storage_data,
+        "storage_meta": _dcp("StorageMeta", meta), "version": "1.0.0",
+    })  # fmt: skip
+    torch_format.save(common, directory / "common.pt")
+    (directory / MARKER_FILE).write_text(json.dumps(marker))
+    (directory / METADATA_FILE).write_bytes(torch_format.pickled(metadata))

@@ -345,6 +345,31 @@ def load(source: str | os.PathLike | bytes, what: str | None = None, extra_globa
 ALIGNMENT = 64  # torch aligns every member's data to 64 bytes (its `.storage_alignment`)
 
 
+@dataclasses.dataclass(frozen=True)
+class Global:
+    """A global a written pickle names (`module.name`), for `Reduce` and `Build`: never imported here."""
+
+    module: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduce:
+    """`func(*args)` in a written pickle (pickle's REDUCE): `torch.Size((2, 3))`, an enum by value."""
+
+    func: Global
+    args: tuple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Build:
+    """An object of class `cls` whose state is `state` (pickle's NEWOBJ then BUILD, as protocol 2 writes a
+    dataclass or an argparse Namespace: `state` a dict of its fields, or what its `__setstate__` takes)."""
+
+    cls: Global
+    state: Any
+
+
 class _Emitter:
     """Pickle protocol 2, opcode by opcode, for the values a Megatron checkpoint holds."""
 
@@ -422,6 +447,21 @@ class _Emitter:
             self._global("torch", v.name)
         elif isinstance(v, np.ndarray):
             self._tensor(v)
+        elif isinstance(v, Global):
+            self._global(v.module, v.name)
+        elif isinstance(v, Reduce):
+            self.value(v.func)
+            self._tuple(v.args)
+            self.out += b"R"
+        elif isinstance(v, Build):
+            self.value(v.cls)
+            self.out += b")\x81"  # NEWOBJ with no arguments
+            self.value(v.state)
+            self.out += b"b"
+        elif isinstance(v, Namespace):
+            self.value(Build(Global("argparse", "Namespace"), dict(v.__dict__)))
+        elif isinstance(v, bytes):
+            self.value(Reduce(Global("_codecs", "encode"), (v.decode("latin1"), "latin1")))
         elif isinstance(v, tuple):
             self._tuple(v)
         elif isinstance(v, list):
@@ -444,22 +484,42 @@ def _bytes(x: np.ndarray) -> memoryview:
     return memoryview(x.reshape(-1).view(np.uint8))  # `x` is C-contiguous (`_Emitter._tensor`)
 
 
+def pickled(obj: Any) -> bytes:
+    """`obj` as a plain pickle (protocol 2; no tensors): what `pickle.dumps` would give, torch not imported."""
+    emitter = _Emitter()
+    emitter.value(obj)
+    if emitter.storages:
+        raise TypeError("a plain pickle holds no tensors: use dumps")
+    return bytes(emitter.out + b".")
+
+
+def dumps(obj: Any, archive: str = "archive") -> bytes:
+    """The bytes of `torch.save(obj, buffer)` (module docstring): a torch zip file in memory."""
+    buf = io.BytesIO()
+    _write_zip(obj, buf, archive)
+    return buf.getvalue()
+
+
 def save(obj: Any, path: str | os.PathLike) -> None:
     """Writes `obj` as `torch.save(obj, path)` would (module docstring), atomically (a temporary file
     beside `path`, then renamed). The archive folder is the file's stem, as torch names it."""
     path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    _write_zip(obj, tmp, path.stem or "archive")
+    os.replace(tmp, path)
+
+
+def _write_zip(obj: Any, target, archive: str) -> None:
     emitter = _Emitter()
     emitter.value(obj)
     emitter.out += b"."
-    archive = path.stem or "archive"
     records: list[tuple[str, Any]] = [
         ("data.pkl", bytes(emitter.out)), (".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
         ("byteorder", b"little"),
     ]  # fmt: skip
     records += [(f"data/{i}", _bytes(x)) for i, x in enumerate(emitter.storages)]
     records.append(("version", b"3\n"))
-    tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in records:
             info = zipfile.ZipInfo(f"{archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
             size = memoryview(data).nbytes
@@ -468,4 +528,3 @@ def save(obj: Any, path: str | os.PathLike) -> None:
             pad = -(zf.fp.tell() + header) % ALIGNMENT
             info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad  # torch's own padding field
             zf.writestr(info, data)
-    os.replace(tmp, path)

@@ -278,7 +278,7 @@ def test_cli_export_flags_bad_input_is_one_line(tmp_path, capsys):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(json.dumps({"model": MODELS["tp2pp2/untied"], "data": {"kind": "synthetic"}}))
     for flags, needle in (
-        (["--ckpt-format", "torch_dist"], "jzero writes Megatron's legacy format only"),
+        (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist needs --data-parallel-size N"),
         (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size 0 must be >= 1"),
     ):
         assert main(["ckpt", "export-megatron", str(tmp_path), str(tmp_path / "m"), str(cfg), *flags]) == 2

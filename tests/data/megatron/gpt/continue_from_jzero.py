@@ -1,7 +1,13 @@
 """Real Megatron-Core 0.16.1 continues jzero's export of a TP/PP/EP fixture: outside CI (it needs torch).
 
-    python continue_from_jzero.py export OUT [--run tp2pp2/untied]   # jzero's env: import, export (no torch)
-    $PY continue_from_jzero.py megatron OUT [--run tp2pp2/untied]    # the Megatron venv (README above)
+    python continue_from_jzero.py export OUT [--run tp2pp2/untied] [--format torch_dist]   # jzero's env (no torch)
+    $PY continue_from_jzero.py megatron OUT [--run tp2pp2/untied] [--format torch_dist]    # the Megatron venv
+
+`--format torch_dist` exports `--ckpt-format torch_dist --data-parallel-size <the fixture's dp>` (dp_reshardable)
+into OUT/<run>/megatron_torch_dist and loads it as Megatron-LM loads torch_dist: the sharded state dict built
+with the export's own `content_metadata`, `dist_checkpointing.load`, then the model's, the optimizer's and the
+scheduler's `load_state_dict` (the fixture's `fix_step` after it: Megatron-Core 0.16.1's dp_reshardable load
+resets torch-AdamW's step to 1); result in OUT/<run>/result_torch_dist.json.
 
 `export` imports the run's Megatron step-10 checkpoint (`ckpt_legacy`) into jzero on a mesh of another
 shape (`jzero ckpt import-megatron`, dp 8, flat ZeRO-2) and writes it back with `jzero ckpt export-megatron
@@ -41,7 +47,7 @@ MODELS = {
 }  # fmt: skip
 
 
-def export(out: Path, run: str) -> None:
+def export(out: Path, run: str, fmt: str = "torch") -> None:
     from jzero.cli import main
 
     c = F.RUNS[run]
@@ -57,16 +63,18 @@ def export(out: Path, run: str) -> None:
     d = out / run
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.yaml").write_text(json.dumps(cfg))
-    assert (
-        main(["ckpt", "import-megatron", str(HERE / run / "ckpt_legacy"), str(d / "jzero"), str(d / "config.yaml")])
-        == 0
-    )
     sizes = ["--tensor-model-parallel-size", str(c["tp"]), "--pipeline-model-parallel-size", str(c["pp"]),
              "--expert-model-parallel-size", str(c["ep"])]  # fmt: skip
-    assert main(["ckpt", "export-megatron", str(d / "jzero"), str(d / "megatron"), str(d / "config.yaml"), *sizes]) == 0
+    if fmt == "torch_dist":
+        sizes += ["--ckpt-format", "torch_dist", "--data-parallel-size", str(c["dp"])]
+    target = d / ("megatron" if fmt == "torch" else "megatron_torch_dist")
+    if not (d / "jzero").exists():
+        assert main(["ckpt", "import-megatron", str(HERE / run / "ckpt_legacy"), str(d / "jzero"),
+                     str(d / "config.yaml")]) == 0  # fmt: skip
+    assert main(["ckpt", "export-megatron", str(d / "jzero"), str(target), str(d / "config.yaml"), *sizes]) == 0
 
 
-def worker(rank, world, port, run, out):
+def worker(rank, world, port, run, out, fmt="torch"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     warnings.filterwarnings("ignore")
@@ -162,23 +170,40 @@ def worker(rank, world, port, run, out):
     # load as Megatron-LM loads a legacy checkpoint (checkpointing.load_checkpoint), with the fixtures'
     # torch-AdamW step workarounds (README: KeyError('step'), one step tensor shared after a load)
     mp_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
-    folder = Path(out) / run / "megatron" / f"iter_{F.STEPS:07d}" / mp_dir
-    sd = torch.load(folder / "model_optim_rng.pt", weights_only=True)
-    for d in dopts:
-        orig = d._set_main_param_and_optimizer_states
+    if fmt == "torch_dist":
+        from megatron.core import dist_checkpointing
 
-        def wrapped(model_param, tensors, d=d, orig=orig):
-            gi, go = d.model_param_group_index_map[model_param]
-            st = d.optimizer.state[d.optimizer.param_groups[gi]["params"][go]]
-            if "step" in st and "step" not in tensors:
-                tensors = dict(tensors, step=st["step"].clone())
-            return orig(model_param, tensors)
+        folder = Path(out) / run / "megatron_torch_dist" / f"iter_{F.STEPS:07d}"
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+        md = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common),
+                  dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))  # fmt: skip
+        with torch.no_grad():
+            for d in dopts:
+                d._init_optimizer_states_with_dummy_values()
+        model_sd = inner.sharded_state_dict(metadata=md)
+        opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=md)
+        sd = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, str(folder))
+        with torch.no_grad():
+            model.load_state_dict(sd["model"], strict=True)
+            opt.load_state_dict(sd["optimizer"])
+    else:
+        folder = Path(out) / run / "megatron" / f"iter_{F.STEPS:07d}" / mp_dir
+        sd = torch.load(folder / "model_optim_rng.pt", weights_only=True)
+        for d in dopts:
+            orig = d._set_main_param_and_optimizer_states
 
-        d._set_main_param_and_optimizer_states = wrapped
-    with torch.no_grad():
-        model.load_state_dict(sd["model"], strict=True)
-        opt.load_state_dict(sd["optimizer"])
-        opt.load_parameter_state(str(folder / "distrib_optim.pt"))
+            def wrapped(model_param, tensors, d=d, orig=orig):
+                gi, go = d.model_param_group_index_map[model_param]
+                st = d.optimizer.state[d.optimizer.param_groups[gi]["params"][go]]
+                if "step" in st and "step" not in tensors:
+                    tensors = dict(tensors, step=st["step"].clone())
+                return orig(model_param, tensors)
+
+            d._set_main_param_and_optimizer_states = wrapped
+        with torch.no_grad():
+            model.load_state_dict(sd["model"], strict=True)
+            opt.load_state_dict(sd["optimizer"])
+            opt.load_parameter_state(str(folder / "distrib_optim.pt"))
     sched.load_state_dict(sd["opt_param_scheduler"])
     for d in dopts:
         for g in d.optimizer.param_groups:
@@ -242,7 +267,7 @@ def worker(rank, world, port, run, out):
         p15, _ = F.assemble([x for r in pieces for x in r], shapes)
         ref = want[F.STEPS : F.STEPS + F.CONT]
         result = dict(
-            run=run, ranks=world, tp=tp, pp=pp, ep=ep, dp=dp,
+            run=run, format=fmt, ranks=world, tp=tp, pp=pp, ep=ep, dp=dp,
             loaded_params_equal_step10_bitwise=not any(bads),
             adam_betas_eps_step_as_loaded=loaded,
             losses=[t[0] for t in trace], megatron_losses=[r["loss"] for r in ref],
@@ -252,15 +277,16 @@ def worker(rank, world, port, run, out):
             max_rel_grad_norm_diff=max(abs(t[1] - r["grad_norm"]) / r["grad_norm"] for t, r in zip(trace, ref)),
             max_abs_param_diff_step15=max(float(np.abs(p15[n] - exp[f"params_step15/{n}"]).max()) for n in shapes),
         )  # fmt: skip
-        (Path(out) / run / "result.json").write_text(json.dumps(result, indent=1))
+        name = "result.json" if fmt == "torch" else f"result_{fmt}.json"
+        (Path(out) / run / name).write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _entry(rank, world, port, run, out):
+def _entry(rank, world, port, run, out, fmt="torch"):
     try:
-        worker(rank, world, port, run, out)
+        worker(rank, world, port, run, out, fmt)
     except Exception:
         traceback.print_exc()
         raise
@@ -271,16 +297,17 @@ def main():
     ap.add_argument("side", choices=("export", "megatron"))
     ap.add_argument("out")
     ap.add_argument("--run", default="tp2pp2/untied", choices=sorted(F.RUNS))
+    ap.add_argument("--format", default="torch", choices=("torch", "torch_dist"))
     args = ap.parse_args()
     out = Path(args.out).resolve()
     if args.side == "export":
-        export(out, args.run)
+        export(out, args.run, args.format)
         return
     import torch.multiprocessing as mp
 
     c = F.RUNS[args.run]
     world = c["tp"] * c["pp"] * c["dp"]
-    mp.start_processes(_entry, args=(world, F.free_port(), args.run, str(out)), nprocs=world, join=True,
+    mp.start_processes(_entry, args=(world, F.free_port(), args.run, str(out), args.format), nprocs=world, join=True,
                        start_method="spawn")  # fmt: skip
 
 
