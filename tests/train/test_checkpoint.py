@@ -108,9 +108,11 @@ def test_offloaded_state_restores_into_host_memory_and_saves_what_no_offload_sav
     jit refuses state arrays in another memory than its shardings') trains bitwise as the run without
     offload, and its step-6 checkpoint holds the same arrays: checkpoints move between fractions.
     Bitwise at XLA's default code generation, which both runs get here (subprocesses): at the suite's
-    -O0 (tests/conftest.py) the host-memory update's last bits differ from the device one's."""
+    -O0 (tests/conftest.py) the host-memory update's last bits differ from the device one's. Without the
+    non-finite guard: its select joins the update's fusion, which XLA:CPU then compiles differently for the
+    state copied in from host memory (the last bits differ; docs/offload.md)."""
     o2 = {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
-    base = [*TINY, *sets(train__steps=STEPS, zero__path="flat")]
+    base = [*TINY, *sets(train__steps=STEPS, zero__path="flat", train__check_for_nan_in_loss_and_grad=False)]
     proc = cli("train", "--out", str(tmp_path / "base"), *base, *sets(checkpoint__dir=tmp_path / "ck0",
                checkpoint__every=3), env=o2)
     assert proc.returncode == 0, proc.stderr[-2000:]
