@@ -201,6 +201,10 @@ def test_jzero_export_is_megatrons_checkpoint(run, mesh, path, tmp_path):
         np.testing.assert_array_equal(a, b)
     megatron.save(tmp_path / "one", state, r.zero, names, **kwargs)
     assert_reads_as_megatrons(megatron.read(tmp_path / "one"), run, (1, 1, 1))
+    # torch_dist (dp_reshardable) from the same jzero state reads back to Megatron's whole model as well
+    megatron.save(tmp_path / "td", state, r.zero, names, parallel=PARALLEL[run], ckpt_format="torch_dist",
+                  data_parallel=4, **kwargs)  # fmt: skip
+    assert_reads_as_megatrons(megatron.read(tmp_path / "td", names=list(key_order)), run, PARALLEL[run])
 
 
 @pytest.mark.slow
