@@ -19,7 +19,6 @@ a quantized gather's values, `flat/quantize.py`).
 from __future__ import annotations
 
 import jax
-from jax._src.lax.parallel import all_gather_invariant  # not public in jax 0.10-0.11: all_gather typed invariant
 
 
 def reduce(
@@ -32,7 +31,8 @@ def reduce(
         return jax.lax.psum(g, inner + outer)
     g = jax.lax.psum_scatter(g, inner, scatter_dimension=dim, tiled=True)
     if regather:
-        return all_gather_invariant(jax.lax.psum(g, outer), inner, axis=dim, tiled=True)
+        # typed invariant over `inner` (jax 0.10-0.12: public `to=`; 0.12 made `all_gather_invariant` private)
+        return jax.lax.all_gather(jax.lax.psum(g, outer), inner, axis=dim, tiled=True, to="invarying")
     if outer and outer_scatter:
         return jax.lax.psum_scatter(g, outer, scatter_dimension=dim, tiled=True)
     return jax.lax.psum(g, outer) if outer else g

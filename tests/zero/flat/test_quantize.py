@@ -41,7 +41,9 @@ def _qd(x: np.ndarray, dtype: str) -> np.ndarray:
         block = x[start : start + BLOCK]
         amax = np.float32(np.abs(block).max())
         scale = np.float32(1) if amax == 0 else amax * np.float32(1 / QMAX[dtype])
-        y = np.clip(block / scale, -QMAX[dtype], QMAX[dtype])
+        # x / scale as XLA compiles it (jax 0.10.2-0.12): x * fp32(1 / scale), 1 ulp from the quotient at times,
+        # which flips a code where x / scale is that near a rounding tie (one int8 code on jax 0.12.0.1)
+        y = np.clip(block * (np.float32(1) / scale), -QMAX[dtype], QMAX[dtype])
         codes = np.round(y) if dtype == "int8" else y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         out[start : start + BLOCK] = codes * scale
     return out
