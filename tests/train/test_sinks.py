@@ -137,6 +137,7 @@ def wandb_history(run_file: Path) -> tuple[dict[int, dict], dict, str]:
     return history, config, name
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_get_the_metrics_jsonl_scalars(tmp_path, monkeypatch):
     """One run with both sinks: TensorBoard's reader and the offline W&B run hold every scalar of every
     metrics.jsonl row (validation loss included) by its name at its step; TensorBoard as float32."""
