@@ -135,3 +135,20 @@ def train(zero: Zero, state, first: int, last: int):
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return state, np.array(losses), np.array(norms)
+
+
+# tests/data/megatron/gpt/{tp2pp2,moe_ep2} (make_parallel_fixtures.py): jzero's model.* of each run, the
+# (tensor, pipeline, expert) sizes that wrote it, its clip and global batch, and the checkpoint's step.
+PARALLEL_GPT = DATA / "gpt"
+PARALLEL_DENSE = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32, seq_len=16, mlp="swiglu",
+             norm="rmsnorm", bias=False, pos="rope")  # fmt: skip
+PARALLEL_MODELS = {
+    "tp2pp2/untied": {**PARALLEL_DENSE, "tie_embeddings": False},
+    "tp2pp2/tied": {**PARALLEL_DENSE, "tie_embeddings": True},
+    "moe_ep2": {**PARALLEL_DENSE, "n_layers": 2, "d_ff": 16, "tie_embeddings": False,
+                "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": None, "aux_loss_coef": 0.0}},
+}  # fmt: skip
+PARALLEL = {"tp2pp2/untied": (2, 2, 1), "tp2pp2/tied": (2, 2, 1), "moe_ep2": (1, 1, 2)}
+PARALLEL_CLIP = {"tp2pp2/untied": 0.5, "tp2pp2/tied": 0.5, "moe_ep2": 0.4}
+PARALLEL_GLOBAL_BATCH = {"tp2pp2/untied": 8, "tp2pp2/tied": 8, "moe_ep2": 16}
+PARALLEL_STEP = 10

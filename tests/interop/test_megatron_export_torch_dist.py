@@ -21,25 +21,19 @@ import pickletools
 import numpy as np
 import pytest
 
-from helpers.megatron_fixtures import DATA
+from helpers import megatron_fixtures as fixtures
 from jzero.config import from_dict
 from jzero.interop import InteropError, megatron, torch_dist, torch_format
 from jzero.interop.gpt import megatron_names
 from jzero.interop.megatron_save import write
 
-GPT = DATA / "gpt"
-DENSE = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32, seq_len=16, mlp="swiglu",
-             norm="rmsnorm", bias=False, pos="rope")  # fmt: skip
-MODELS = {
-    "tp2pp2/untied": {**DENSE, "tie_embeddings": False},
-    "tp2pp2/tied": {**DENSE, "tie_embeddings": True},
-    "moe_ep2": {**DENSE, "n_layers": 2, "d_ff": 16, "tie_embeddings": False,
-                "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": None, "aux_loss_coef": 0.0}},
-}  # fmt: skip
-PARALLEL = {"tp2pp2/untied": (2, 2, 1), "tp2pp2/tied": (2, 2, 1), "moe_ep2": (1, 1, 2)}  # what wrote them
+PARALLEL = fixtures.PARALLEL
+GPT = fixtures.PARALLEL_GPT
+MODELS = fixtures.PARALLEL_MODELS
+STEP = fixtures.PARALLEL_STEP
+
 DP = {"tp2pp2/untied": 2, "tp2pp2/tied": 2, "moe_ep2": 4}
 DIST = "ckpt_torch_dist_dp_reshardable"
-STEP = 10
 
 
 def order(run: str) -> list[str]:

@@ -27,10 +27,16 @@ import jax
 import numpy as np
 import pytest
 
-from helpers.megatron_fixtures import DATA
+from helpers import megatron_fixtures as fixtures
 from jzero.config import from_dict
 from jzero.interop import InteropError, megatron, torch_format
 from jzero.interop.gpt import gpt_names, megatron_names
+
+DATA = fixtures.DATA
+CLIP = fixtures.PARALLEL_CLIP
+GLOBAL_BATCH = fixtures.PARALLEL_GLOBAL_BATCH
+MODELS = fixtures.PARALLEL_MODELS
+STEP = fixtures.PARALLEL_STEP
 
 GPT = DATA / "gpt"
 REL = 1e-6
@@ -39,17 +45,6 @@ FORMATS = {
     "dp_reshardable": "ckpt_torch_dist_dp_reshardable",
     "fully_reshardable": "ckpt_torch_dist_fully_reshardable",
 }
-DENSE = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32, seq_len=16, mlp="swiglu",
-             norm="rmsnorm", bias=False, pos="rope")  # fmt: skip
-MODELS = {
-    "tp2pp2/untied": {**DENSE, "tie_embeddings": False},
-    "tp2pp2/tied": {**DENSE, "tie_embeddings": True},
-    "moe_ep2": {**DENSE, "n_layers": 2, "d_ff": 16, "tie_embeddings": False,
-                "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": None, "aux_loss_coef": 0.0}},
-}  # fmt: skip
-CLIP = {"tp2pp2/untied": 0.5, "tp2pp2/tied": 0.5, "moe_ep2": 0.4}
-GLOBAL_BATCH = {"tp2pp2/untied": 8, "tp2pp2/tied": 8, "moe_ep2": 16}
-STEP = 10
 
 
 def available(run: str) -> list[str]:
