@@ -33,7 +33,7 @@ from jzero.config_schema import (
 )
 from jzero.errors import ConfigError
 from jzero.mesh import AUTO_DP, MeshConfig
-from jzero.zero.config import DynamicLossScale, ZeroConfig, ZeroPath
+from jzero.zero.config import DynamicLossScale, SpikeGuard, ZeroConfig, ZeroPath
 
 # The largest EMA decay a bf16-stored moment follows closely: rounded to nearest every step it stops
 # falling up to 2**-8 / (1 - beta) above its fp32 value, 8% at 0.95, 1.4x at 0.99 (`jzero.zero.common.moments`).
@@ -193,6 +193,16 @@ def _check_data(cfg: Config) -> None:
     _positive("train.eval_batches", t.eval_batches)
 
 
+def spike_guard(t: TrainConfig) -> SpikeGuard | None:
+    """`train.grad_norm_spike_*`'s guard, None when `grad_norm_spike_factor` is null; errors name the keys."""
+    if t.grad_norm_spike_factor is None:
+        return None
+    try:
+        return SpikeGuard(t.grad_norm_spike_factor, t.grad_norm_spike_window)
+    except ConfigError as e:
+        raise keyed("train.", e) from None
+
+
 def _check_sinks(t: TrainConfig) -> None:
     """The metrics sinks' keys (`jzero.train.sinks`): no empty names, and no W&B detail without its project.
     Whether the packages are installed and the directories writable is checked where the run starts."""
@@ -239,6 +249,7 @@ def validate(cfg: Config) -> None:
     _check_optimizer(o)
     _check_muon(cfg)
     _check_precision(cfg.precision)
+    spike_guard(t)
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for key in ("timeout_s", "heartbeat_timeout_s"):

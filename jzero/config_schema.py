@@ -276,6 +276,11 @@ class TrainConfig:
     # and optimizer state (checked in the step, before the update) and the run stops, naming the step and the
     # newest checkpoint. fp16's loss scaling skips such steps and goes on whatever this says.
     check_for_nan_in_loss_and_grad: bool = True
+    # MaxText's skip_step_on_spikes, OLMo-core's skip-step optimizer: once grad_norm_spike_window finite grad norms
+    # are in, a step whose grad norm exceeds grad_norm_spike_factor x their mean keeps the old params and optimizer
+    # state and the run goes on (metrics spike_skipped; the history is saved with checkpoints). null = off.
+    grad_norm_spike_factor: float | None = None
+    grad_norm_spike_window: int = 100
     # Where else metrics.jsonl's scalars go, by its names, from process 0 (jzero.train.sinks; null = off).
     # Megatron's --tensorboard-dir: TensorBoard event files in this directory (pip install 'jzero[tensorboard]').
     tensorboard_dir: str | None = None

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jzero.config import GPT_IMPL, AttentionImpl, Config, ConfigError, resolve_mesh
+from jzero.config_checks import spike_guard
 from jzero.mesh import make_mesh
 from jzero.model import Model, make_model, model_state, training_loss, unit_key
 from jzero.optim import inner_optimizer, loss_scaling, param_groups
@@ -109,5 +110,6 @@ def build_run(cfg: Config, devices: list | None = None) -> Run:
         loss_scale=loss_scaling(cfg),
         model_state=model_state(model),
         skip_nonfinite=cfg.train.check_for_nan_in_loss_and_grad,
+        spike_guard=spike_guard(cfg.train),
     )
     return Run(cfg, model, zero)

@@ -52,6 +52,19 @@ def test_bad_optimizer_value(override, message, tmp_path, capsys):
     assert error_line(["train", "--out", str(tmp_path), "--set", override], capsys) == f"jzero: error: {message}"
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.grad_norm_spike_factor=1", "train.grad_norm_spike_factor=1.0 must be a finite number > 1 (null = off)"),
+        ("train.grad_norm_spike_factor=nan", "train.grad_norm_spike_factor=nan must be a finite number"),
+        ("train.grad_norm_spike_window=0", "train.grad_norm_spike_window=0 must be an integer >= 1"),
+    ],
+)
+def test_bad_spike_guard_value(override, message, tmp_path, capsys):
+    argv = ["train", "--out", str(tmp_path), "--set", "train.grad_norm_spike_factor=3", "--set", override]
+    assert error_line(argv, capsys) == f"jzero: error: {message}"
+
+
 @pytest.mark.parametrize("value", ["[", "{a", "'"])
 def test_set_value_that_is_not_yaml(value, tmp_path, capsys):
     err = error_line(["train", "--out", str(tmp_path), "--set", f"train.steps={value}"], capsys)

@@ -44,6 +44,7 @@ from jzero.interop.megatron_names import OPTAX_MOMENT, Renamed, adam_moment, nam
 from jzero.interop.megatron_read import MegatronCheckpoint, find, read
 from jzero.interop.megatron_save import Hyperparams, save, write
 from jzero.zero import Zero
+from jzero.zero.common import spike
 from jzero.zero.common.state import TrainState, ZeroState
 
 __all__ = [
@@ -132,9 +133,11 @@ def to_train_state(ck: MegatronCheckpoint, zero: Zero, names: PyTree) -> TrainSt
         weights = _from_megatron(r, ck.model, t.shape, what)
         # fp32 params are their own main params (Megatron's and jzero's); else the model copy as saved
         params.append((main[i] if not keep_main or weights.dtype != t.dtype else weights).astype(t.dtype))
+    guard = zero.options.spike_guard  # the grad-norm spike guard's history starts empty
     model_opt = ZeroState(
-        jax.tree.unflatten(treedef, [m.astype(np.float32) for m in main]) if keep_main else None, inner, None
-    )
+        jax.tree.unflatten(treedef, [m.astype(np.float32) for m in main]) if keep_main else None, inner, None,
+        None if guard is None else spike.init(guard),
+    )  # fmt: skip
     model_opt = jax.device_put(model_opt, zero.model_opt_shardings)
     opt = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)(model_opt)
     # The model's non-trainable state (a MoE router's expert bias) starts from its initial value: its

@@ -5,7 +5,8 @@ folder per saved step, `step_<8 digits>` (the number of steps completed), with t
 (`jzero.train.ckpt_step`):
   state/  arrays, per parameter and unflattened (Megatron's `fully_reshardable`):
           params/..., main_params/... (non-fp32 params only), opt_state/<moment>/...,
-          grad_scaler/... (fp16's loss scale and trackers), model_state/... (the model's
+          grad_scaler/... (fp16's loss scale and trackers), spike/... (the grad-norm spike
+          guard's history, with train.grad_norm_spike_factor), model_state/... (the model's
           non-trainable state, e.g. the MoE expert bias; absent for a model without), step.
           Flat-path buckets are converted to this form before saving.
   meta/   JSON: jzero's format, the writer's config and run id, the data position, every
@@ -32,6 +33,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -57,6 +59,7 @@ from jzero.train.ckpt_step import (
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints, mismatched
 from jzero.train.unraisable import quiet_abandoned_io
+from jzero.zero.common import spike
 from jzero.zero.common.state import TrainState, ZeroState
 
 
@@ -126,6 +129,8 @@ class Checkpointer:
             tree["main_params"] = opt.main_params
         if opt.grad_scaler is not None:
             tree["grad_scaler"] = opt.grad_scaler
+        if opt.spike is not None:
+            tree["spike"] = opt.spike
         if state.model_state is not None:
             tree["model_state"] = state.model_state
         return to_nested(tree)
@@ -144,6 +149,8 @@ class Checkpointer:
             tree["main_params"], shard["main_params"] = opt.main_params, model_sh.main_params
         if opt.grad_scaler is not None:
             tree["grad_scaler"], shard["grad_scaler"] = opt.grad_scaler, model_sh.grad_scaler
+        if opt.spike is not None:
+            tree["spike"], shard["spike"] = opt.spike, model_sh.spike
         if abstract.model_state is not None:
             tree["model_state"], shard["model_state"] = abstract.model_state, sh.model_state
         return to_nested(
@@ -242,6 +249,7 @@ class Checkpointer:
         target, bridge = self._bridged_target(meta)
         if not any(name.startswith("model_state/") for name in meta["arrays"]):
             target.pop("model_state", None)  # saved before the model kept state: it starts from its initial one
+        target, keep_spike = self._spike_target(meta, target)
         check_fits(step, self.directory, meta, target)
         restored, failure = None, None
         try:
@@ -269,7 +277,14 @@ class Checkpointer:
         like_inner = jax.eval_shape(self.run.zero.to_model_space, abstract.opt_state).inner_state
         inner = from_nested(nested["opt_state"], like_inner)
         scaler = from_nested(nested["grad_scaler"], abstract.opt_state.grad_scaler) if "grad_scaler" in nested else None
-        opt = self._from_model(ZeroState(main, inner, scaler))
+        history = None
+        if keep_spike:
+            history = from_nested(nested["spike"], abstract.opt_state.spike)
+        elif abstract.opt_state.spike is not None:
+            history = jax.jit(spike.init, static_argnums=0, out_shardings=self.run.zero.model_opt_shardings.spike)(
+                self.run.zero.options.spike_guard
+            )
+        opt = self._from_model(ZeroState(main, inner, scaler, history))
         params = self.run.zero.params_from_model(from_nested(nested["params"], model_params))
         model_state = None
         if "model_state" in nested:
@@ -277,6 +292,27 @@ class Checkpointer:
         elif abstract.model_state is not None:
             model_state = jax.jit(self.run.zero.model_state.init, out_shardings=self.run.zero.shardings.model_state)()
         return TrainState(params, opt, jnp.asarray(nested["step"], jnp.int32), model_state)
+
+    def _spike_target(self, meta: dict, target: dict) -> tuple[dict, bool]:
+        """`target` with the spike guard's history as the step saved it, and whether this run keeps it: a run
+        without the guard, or with another `train.grad_norm_spike_window`, reads it (orbax restores whole
+        trees) and starts its own history; a step saved without the guard starts a fresh one."""
+        saved = {n[len("spike/"):]: a for n, a in meta["arrays"].items() if n.startswith("spike/")}
+        mine = target.pop("spike", None)
+        if not saved:
+            return target, False
+        keep = mine is not None and {n: list(x.shape) for n, x in names(mine).items()} == {
+            n: a["shape"] for n, a in saved.items()
+        }
+        if keep:
+            return {**target, "spike": mine}, True
+        replicated = self.run.zero.shardings.step
+        theirs = {n: jax.ShapeDtypeStruct(tuple(a["shape"]), jnp.dtype(a["dtype"]), sharding=replicated)
+                  for n, a in saved.items()}  # fmt: skip
+        if mine is not None:
+            _note(f"the checkpoint's grad-norm spike history holds {saved['norms']['shape'][0]} norms, "
+                  "train.grad_norm_spike_window another number: the guard starts a new history")  # fmt: skip
+        return {**target, "spike": theirs}, False
 
     def close(self, check: bool = True) -> None:
         """Waits for the save in flight (RunError if it failed and `check`), releases the directory."""
@@ -287,3 +323,9 @@ class Checkpointer:
         finally:
             if self._claim is not None:
                 self._claim.release()
+
+
+def _note(message: str) -> None:
+    """One line on stderr from process 0: what a restore changed that the user may not expect."""
+    if jax.process_index() == 0:
+        print(f"jzero: note: {message}", file=sys.stderr, flush=True)

@@ -189,8 +189,8 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             m = jax.device_get(m)
             dt = time.perf_counter() - t
             peers.progress(step + 1, "step")
-            skipped = bool(m.get("skipped", 0.0))  # an inf/nan grad skipped the update
-            applied = step - _skipped_before(state, skipped)  # the optimizer steps before this one
+            skipped = bool(m.get("skipped", 0.0))  # an inf/nan grad norm or a spike skipped the update
+            applied = step - _skipped_before(state, m)  # the optimizer steps before this one
             row = {
                 "step": step + 1,
                 "loss": float(m["loss"]),
@@ -201,7 +201,8 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 # MoE: aux_loss, dropped_frac; fp16: loss_scale (the one this step's grads carried), skipped
                 **{k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
             }
-            nonfinite_grads = skipped and state.opt_state.grad_scaler is None  # fp16's scaler skips and goes on
+            # fp16's scaler skips inf/nan steps and goes on, the spike guard finite spikes
+            nonfinite_grads = skipped and not m.get("spike_skipped") and state.opt_state.grad_scaler is None
             if nonfinite_grads or not np.isfinite(row["loss"]):
                 f.write(row)
                 raise RunError(_stop_line(row, m, ckpt, nonfinite_grads))
@@ -237,10 +238,17 @@ def _stop_line(row: dict, m: dict, ckpt, nonfinite_grads: bool) -> str:
     return f"loss is {row['loss']} at step {row['step']}: the run stopped; {newest}"
 
 
-def _skipped_before(state: TrainState, skipped_now: bool) -> int:
-    """Steps skipped before the one that produced `state` (fp16 loss scaling; 0 without)."""
-    scaler = state.opt_state.grad_scaler
-    return 0 if scaler is None else int(scaler.skipped) - int(skipped_now)
+def _skipped_before(state: TrainState, m: dict) -> int:
+    """Steps skipped before the one that produced `state` and its metrics `m`, steps whose optimizer step
+    count (and learning rate) did not advance: fp16 loss scaling's and the spike guard's, each counted in
+    its state (a nan-check skip stops the run)."""
+    scaler, spike, spiked = state.opt_state.grad_scaler, state.opt_state.spike, bool(m.get("spike_skipped", 0.0))
+    before = 0
+    if scaler is not None:  # its skips are inf/nan ones, never a spike (`spike.is_spike`)
+        before += int(scaler.skipped) - int(bool(m.get("skipped", 0.0)) and not spiked)
+    if spike is not None:
+        before += int(spike.skipped) - int(spiked)
+    return before
 
 
 def _scale_postfix(row: dict) -> dict:

@@ -50,6 +50,7 @@ def summarize(run, state, metrics: list[dict], compile_s: float) -> dict:
         **_offload(run, state),
         **_moe(metrics),
         **_loss_scale(metrics),
+        **_spikes(metrics),
     }
 
 
@@ -77,8 +78,16 @@ def _loss_scale(metrics: list[dict]) -> dict:
     """{"loss_scale": {last, skipped_steps}} for an fp16 run (dynamic loss scaling), else {}."""
     if "loss_scale" not in metrics[0]:
         return {}
-    skipped = sum(int(m["skipped"]) for m in metrics)
+    skipped = sum(int(m["skipped"]) - int(m.get("spike_skipped", 0)) for m in metrics)  # spikes are finite
     return {"loss_scale": {"last": metrics[-1]["loss_scale"], "skipped_steps": skipped}}
+
+
+def _spikes(metrics: list[dict]) -> dict:
+    """{"spike_skipped_steps": [steps]} for a run with the grad-norm spike guard (`train.grad_norm_spike_factor`),
+    else {}."""
+    if "spike_skipped" not in metrics[0]:
+        return {}
+    return {"spike_skipped_steps": [m["step"] for m in metrics if m["spike_skipped"]]}
 
 
 def _validation(metrics: list[dict]) -> dict:
@@ -146,6 +155,11 @@ def format_summary(s: dict) -> str:
             f"fp16 loss scaling: {ls['skipped_steps']} of {s['steps']} steps skipped (inf/nan grads), "
             f"loss scale {ls['last']:.0f} at the last step"
         )
+    if "spike_skipped_steps" in s:
+        spikes = s["spike_skipped_steps"]
+        shown = ", ".join(map(str, spikes[:10])) + (", ..." if len(spikes) > 10 else "")
+        shown = f" (steps {shown})" if spikes else ""
+        lines.append(f"grad-norm spike guard: {len(spikes)} of {s['steps']} steps skipped{shown}")
     rep = s["replicated_tensors"]
     if rep:
         lines.append(f"  left replicated over DP (no divisible dim free of tp): {len(rep)} tensors")

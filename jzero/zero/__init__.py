@@ -1,6 +1,6 @@
 """ZeRO stages for any JAX model and optax transformation; `build_zero` is the entry.
 
-    jzero/zero/config.py   ZeroConfig and its enums, DynamicLossScale, StepOptions, ParamGroupRule (no JAX)
+    jzero/zero/config.py   ZeroConfig and its enums, DynamicLossScale, SpikeGuard, StepOptions, ParamGroupRule (no JAX)
     jzero/zero/build.py    build_zero -> Zero: everything a run needs, resolved once
     jzero/zero/memory.py   per-device bytes: Megatron's formula, and what arrays and shardings hold
     jzero/zero/common/     what both paths share: the sharding plan (strategies), the train state,
@@ -24,6 +24,7 @@ _PUBLIC = {
     "OwnedBalance": "jzero.zero.config",
     "ParamGatherDType": "jzero.zero.config",
     "DynamicLossScale": "jzero.zero.config",
+    "SpikeGuard": "jzero.zero.config",
     "ParamGroupRule": "jzero.zero.config",
     "StepOptions": "jzero.zero.config",
     "TrainState": "jzero.zero.common.state",

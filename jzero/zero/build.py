@@ -26,7 +26,7 @@ from jzero.zero.common.offload import Offload
 from jzero.zero.common.probe import check_groups_read
 from jzero.zero.common.state import LossFn, ModelState, TrainState, ZeroState, init_train_state
 from jzero.zero.common.strategies import ShardingPlan, make_plan
-from jzero.zero.config import DynamicLossScale, StepOptions, ZeroConfig, ZeroPath
+from jzero.zero.config import DynamicLossScale, SpikeGuard, StepOptions, ZeroConfig, ZeroPath
 from jzero.zero.engine import Layout, LayoutInputs, build_programs
 from jzero.zero.flat.layout import flat_layout
 from jzero.zero.flat.plan import FlatPlan
@@ -230,6 +230,7 @@ def build_zero(
     loss_scale: DynamicLossScale | None = None,
     model_state: ModelState | None = None,
     skip_nonfinite: bool = False,
+    spike_guard: SpikeGuard | None = None,
 ) -> Zero:
     """Resolves a ZeRO run of `loss_fn` with the optimizer `inner` on `mesh`.
 
@@ -275,8 +276,15 @@ def build_zero(
         over the DP ranks and micro-batches and, after the grads' reduction and before the
         optimizer step, updates the state by `model_state.update` (its metrics join the step's).
         The state is replicated, in `TrainState.model_state`. None: the loss has no state.
+      skip_nonfinite: a step whose grad norm is inf or nan keeps the old params and optimizer state
+        (Megatron's --check-for-nan-in-loss-and-grad; metric `skipped`).
+      spike_guard: a step whose grad norm exceeds `factor` x the mean of the last `window` ones keeps
+        them too (`SpikeGuard`; metrics `skipped` and `spike_skipped`; the history is in
+        `ZeroState.spike` and checkpoints). None: off, and the step is the same program.
     """
-    options = StepOptions(microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux, skip_nonfinite)
+    options = StepOptions(
+        microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux, skip_nonfinite, spike_guard
+    )
     if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
         raise ConfigError(
             "float16 params need loss scaling (their grads underflow without it): pass "
@@ -285,7 +293,7 @@ def build_zero(
     check_empty_params(abstract_params, jaxlib.__version__)
     plan = make_plan(mesh, zero.stage, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_groups_read(inner, plan, groups)
-    model_opt_sh = opt_state_shardings(inner, plan, loss_scale, zero.param_gather_dtype is not None)
+    model_opt_sh = opt_state_shardings(inner, plan, loss_scale, zero.param_gather_dtype is not None, spike_guard)
     inputs = LayoutInputs(loss_fn, inner, plan, zero, options, groups, model_state, unit_key)
     layout = LAYOUTS[zero.path](inputs)
     programs = build_programs(layout, mesh, zero, options, model_state)

@@ -234,6 +234,28 @@ class DynamicLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpikeGuard:
+    """Skip a step whose grad norm spikes (MaxText's `skip_step_on_spikes`, OLMo-core's skip-step
+    optimizer, in the form of the issue's "a multiple of its recent mean"; `common/spike.py`).
+
+    Once the last `window` finite grad norms are in, a step whose norm exceeds `factor` x their mean
+    keeps the old params and optimizer state (its optimizer step count too, so the learning rate does
+    not advance), as an inf/nan step does. Every finite norm enters the window, a skipped one too, so a
+    lasting change of scale becomes the new baseline after `window` steps rather than stalling the
+    run. The CLI's `train.grad_norm_spike_factor` and `train.grad_norm_spike_window`.
+    """
+
+    factor: float  # skip when grad norm > factor x the mean of the last `window` norms
+    window: int = 100
+
+    def __post_init__(self):
+        if not (math.isfinite(self.factor) and self.factor > 1):
+            raise ConfigError(f"grad_norm_spike_factor={self.factor} must be a finite number > 1 (null = off)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"grad_norm_spike_window={self.window} must be an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOptions:
     """How a ZeRO step runs, beside its `ZeroConfig`: `build_zero`'s keyword arguments, which `Zero`
     carries (`Zero.options`) so nothing downstream reads a config again.
@@ -242,6 +264,7 @@ class StepOptions:
     buffer and its DP reduction. clip_grad: Megatron's global-norm clipping across shards, None =
     off. loss_scale: fp16's dynamic loss scaling, None = off. has_aux: the loss returns (loss, metrics).
     skip_nonfinite: a step whose grad norm is inf or nan keeps the old params and optimizer state.
+    spike_guard: a step whose grad norm spikes above its recent mean keeps them too (`SpikeGuard`), None = off.
     """
 
     microbatches: int = 1
@@ -250,6 +273,7 @@ class StepOptions:
     loss_scale: DynamicLossScale | None = None
     has_aux: bool = False
     skip_nonfinite: bool = False
+    spike_guard: SpikeGuard | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "grad_reduce_dtype", np.dtype(self.grad_reduce_dtype))

@@ -85,6 +85,43 @@ def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
     assert saved_steps(ck) == [3, 6]  # the resumed run kept checkpointing there
 
 
+SPIKY = sets(train__grad_norm_spike_factor=1.02, train__grad_norm_spike_window=2)  # the tiny GPT's norms wobble by more
+
+
+def test_the_spike_guards_skips_show_in_the_metrics_and_resume_bitwise(tmp_path):
+    """Steps whose grad norm spikes are skipped (metrics spike_skipped, the learning rate held, the summary's
+    list); resumed from step 3, steps 4-6 are bitwise the uninterrupted run's, skips included: the history
+    comes back with the checkpoint (a fresh one, which needs 2 norms first, could not skip step 4 or 5)."""
+    flat = sets(zero__path="flat")
+    whole = train(tmp_path / "whole", *flat, *SPIKY, *sets(checkpoint__dir=tmp_path / "ck0", checkpoint__every=3))
+    skipped = [r["step"] for r in whole if r["spike_skipped"]]
+    assert skipped and skipped[-1] in (4, 5) and all(whole[s - 1]["skipped"] == 1.0 for s in skipped)
+    for s in skipped:  # a skipped step leaves the optimizer's step count, and so the next step's lr, where it was
+        assert whole[s]["lr"] == whole[s - 1]["lr"]
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["spike_skipped_steps"] == skipped
+    ck = copy_without_last(tmp_path / "ck0", tmp_path / "ck")
+    resumed = train(tmp_path / "resumed", *flat, *SPIKY, "--resume", str(ck))
+    keys = ("loss", "grad_norm", "lr", "skipped", "spike_skipped")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[3:]]
+
+
+@pytest.mark.slow
+def test_the_spike_history_crosses_guard_settings(base, tmp_path, capsys):
+    """A checkpoint saved without the guard resumes with it (a fresh history), one saved with it resumes
+    without it, or with another window (a note says the history starts anew)."""
+    root, _ = base
+    spiky = train(tmp_path / "a", *SPIKY, "--resume", str(copy_without_last(root / "ck", tmp_path / "ck")))
+    assert not any(r["spike_skipped"] for r in spiky)  # steps 4-6 fill the new window of 2; none can be skipped
+    train(tmp_path / "b", *SPIKY, *sets(checkpoint__dir=tmp_path / "ck1", checkpoint__every=3))
+    capsys.readouterr()
+    plain = train(tmp_path / "c", "--resume", str(copy_without_last(tmp_path / "ck1", tmp_path / "ck2")))
+    assert "spike_skipped" not in plain[0]
+    wider = sets(train__grad_norm_spike_factor=1.02, train__grad_norm_spike_window=3)
+    train(tmp_path / "d", *wider, "--resume", str(copy_without_last(tmp_path / "ck1", tmp_path / "ck3")))
+    assert "the guard starts a new history" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_resume_onto_other_mesh_strategy_and_path(base, tmp_path):
     """optim_grads flat dp=8 -> optim spec dp=4 tp=2 -> no_shard dp=1 (one device, a new process)."""

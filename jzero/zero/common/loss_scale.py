@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero.common.state import ZeroState
 from jzero.zero.config import DynamicLossScale
 
 PyTree = Any
@@ -98,23 +97,3 @@ def found_inf(grads: PyTree) -> jax.Array:
 def skip_if(skip: jax.Array, old: PyTree, new: PyTree) -> PyTree:
     """`old` where `skip`, else `new`, leaf by leaf (a select: the old values come back bitwise)."""
     return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
-
-
-def guard_step(
-    cfg: DynamicLossScale,
-    skip: jax.Array,
-    norm: jax.Array,
-    params: PyTree,
-    state: ZeroState,
-    new_params: PyTree,
-    new_state: ZeroState,
-) -> tuple[PyTree, ZeroState, dict]:
-    """An optimizer step's outputs under loss scaling, as both paths return them: the old params
-    and state where `skip` (the inner state holds the optimizer's step count, so it stays too),
-    the scaler updated, and the metrics {"grad_norm", "loss_scale" (the scale the grads carried),
-    "skipped"}."""
-    old = ZeroState(state.main_params, state.inner_state)
-    params, new_state = skip_if(skip, (params, old), (new_params, new_state))
-    new_state = new_state._replace(grad_scaler=update(cfg, state.grad_scaler, skip))
-    metrics = {"grad_norm": norm, "loss_scale": state.grad_scaler.loss_scale, "skipped": skip.astype(jnp.float32)}
-    return params, new_state, metrics

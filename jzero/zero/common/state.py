@@ -26,11 +26,13 @@ class ZeroState(NamedTuple):
     inner_state: the wrapped optax transformation's state.
     grad_scaler: fp16's dynamic loss scale (`loss_scale.LossScaleState`, replicated scalars),
       None without loss scaling.
+    spike: the grad-norm spike guard's history (`spike.SpikeState`, replicated), None without it.
     """
 
     main_params: PyTree | None
     inner_state: optax.OptState
     grad_scaler: Any = None
+    spike: Any = None
 
 
 class ModelState(NamedTuple):

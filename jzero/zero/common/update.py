@@ -2,12 +2,12 @@
 
 Megatron's `DistributedOptimizer.step` in order: unscale fp16's grads and check them for inf/nan,
 take the global norm and clip by it, step the inner optimizer on the fp32 main params (or on the
-fp32 params themselves), cast the result back to the model's dtype (`model_copy`), and under loss
-scaling keep the old state where an inf/nan skipped the step (`finish`). The paths differ only in
-the layout of what they pass in (per parameter, or one array per flat bucket shard), in how they
-compute the norm and the inf/nan flag over the ranks (XLA over sharded arrays, or explicit psums
-over buffer shards), and in how the new params travel back (a sharding constraint, or an all_gather
-per bucket).
+fp32 params themselves), cast the result back to the model's dtype (`model_copy`), and keep the old
+state where a guard skipped the step (`finish`: loss scaling's inf/nan, the nan check, the spike
+guard). The paths differ only in the layout of what they pass in (per parameter, or one array per
+flat bucket shard), in how they compute the norm and the inf/nan flag over the ranks (XLA over
+sharded arrays, or explicit psums over buffer shards), and in how the new params travel back (a
+sharding constraint, or an all_gather per bucket).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import optax
 
 from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common import spike
 from jzero.zero.common.groups import EXTRA_ARG, GroupValues
 from jzero.zero.common.state import ZeroState
-from jzero.zero.config import DynamicLossScale
+from jzero.zero.config import DynamicLossScale, SpikeGuard
 
 PyTree = Any
 
@@ -83,19 +84,38 @@ def finish(
     new_params: PyTree,
     new_state: ZeroState,
     skip_nonfinite: bool = False,
+    spike_guard: SpikeGuard | None = None,
 ) -> tuple[PyTree, ZeroState, dict]:
-    """The step's (params, state, metrics): the new ones and {"grad_norm"}; under loss scaling the old
-    params and state where `update.skip`, the scaler updated, and {"loss_scale", "skipped"} too
-    (`loss_scale.guard_step`). With `skip_nonfinite` (and no loss scaling, which skips such steps
-    already) the old params and state where the grad norm is inf or nan (Megatron's
-    --check-for-nan-in-loss-and-grad, checked before the update), and {"skipped"}."""
+    """The step's (params, state, metrics): the new ones and {"grad_norm"}, or the old params, main
+    params and inner state (bitwise, by a select) where a guard skips the step, with {"skipped"}:
+      - loss scaling: an inf/nan in the grads (`update.skip`); the scaler is updated and
+        {"loss_scale"} reported (`loss_scale.update`);
+      - `skip_nonfinite` (without loss scaling, which skips such steps already): an inf or nan grad
+        norm, Megatron's --check-for-nan-in-loss-and-grad, checked before the update;
+      - `spike_guard`: a grad norm above its recent mean (`spike.py`), reported as {"spike_skipped"};
+        its history is updated.
+    Without a guard the step is the same program as before any existed."""
+    metrics = {"grad_norm": update.norm}
+    skip = None
     if loss_scale is not None:
-        return scaler.guard_step(loss_scale, update.skip, update.norm, params, state, new_params, new_state)
-    if not skip_nonfinite:
-        return new_params, new_state, {"grad_norm": update.norm}
-    skip = jnp.logical_not(jnp.isfinite(update.norm))
-    params, new_state = scaler.skip_if(skip, (params, state), (new_params, new_state))
-    return params, new_state, {"grad_norm": update.norm, "skipped": skip.astype(jnp.float32)}
+        skip = update.skip
+        metrics["loss_scale"] = state.grad_scaler.loss_scale
+    elif skip_nonfinite:
+        skip = jnp.logical_not(jnp.isfinite(update.norm))
+    if spike_guard is not None:
+        spiked = spike.is_spike(spike_guard, state.spike, update.norm)
+        skip = spiked if skip is None else jnp.logical_or(skip, spiked)
+    if skip is None:
+        return new_params, new_state, metrics
+    old = ZeroState(state.main_params, state.inner_state)
+    params, new_state = scaler.skip_if(skip, (params, old), (new_params, new_state._replace(grad_scaler=None)))
+    metrics["skipped"] = skip.astype(jnp.float32)
+    if loss_scale is not None:
+        new_state = new_state._replace(grad_scaler=scaler.update(loss_scale, state.grad_scaler, update.skip))
+    if spike_guard is not None:
+        new_state = new_state._replace(spike=spike.update(spike_guard, state.spike, update.norm, spiked))
+        metrics["spike_skipped"] = spiked.astype(jnp.float32)
+    return params, new_state, metrics
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:

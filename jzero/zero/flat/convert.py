@@ -151,7 +151,7 @@ def flat_to_model_space(fp: FlatPlan, inner: optax.GradientTransformation, opt_s
     main = opt_state.main_params
     treedef = jax.tree.structure(fp.plan.tensors)
     main = None if main is None else jax.tree.unflatten(treedef, buckets_to_params(fp, main))
-    return ZeroState(main, inner_state, opt_state.grad_scaler)
+    return ZeroState(main, inner_state, opt_state.grad_scaler, opt_state.spike)
 
 
 def model_space_to_flat(fp: FlatPlan, inner: optax.GradientTransformation, state: ZeroState) -> ZeroState:
@@ -165,4 +165,4 @@ def model_space_to_flat(fp: FlatPlan, inner: optax.GradientTransformation, state
         lambda leaves: params_to_buckets(fp, leaves),
     )
     main = None if state.main_params is None else params_to_buckets(fp, jax.tree.leaves(state.main_params))
-    return ZeroState(main, inner_state, state.grad_scaler)
+    return ZeroState(main, inner_state, state.grad_scaler, state.spike)

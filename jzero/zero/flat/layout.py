@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import BATCH_AXES, EP_AXIS, TP_AXIS, spec_axes
 from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common import spike
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.groups import GroupValues, group_leaves
 from jzero.zero.common.probe import check_elementwise
@@ -210,7 +211,7 @@ class FlatProgram:
         new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, step.main)] if self.keep_main else None
         new_state = ZeroState(new_main, _unsqueeze(fp, step.inner_state))
         new_params = self.new_params(params, step.main)
-        return finish(o.loss_scale, step, params, opt_state, new_params, new_state, o.skip_nonfinite)
+        return finish(o.loss_scale, step, params, opt_state, new_params, new_state, o.skip_nonfinite, o.spike_guard)
 
     def init(self, params: PyTree) -> ZeroState:
         """The optimizer state from the state's params: this rank's fp32 shards and the inner state on them."""
@@ -220,10 +221,11 @@ class FlatProgram:
         else:
             full = flatten(fp, jax.tree.leaves(params), jnp.float32)
             main = [owned(buf, x, r) for (buf, _), x, r in zip(fp.buckets, full, collectives.bucket_ranks(fp))]
-        loss_scale = self.options.loss_scale
+        loss_scale, spike_guard = self.options.loss_scale, self.options.spike_guard
         grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
+        history = None if spike_guard is None else spike.init(spike_guard)
         kept = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, main)] if self.keep_main else None
-        return ZeroState(kept, _unsqueeze(fp, self.inner.init(main)), grad_scaler)
+        return ZeroState(kept, _unsqueeze(fp, self.inner.init(main)), grad_scaler, history)
 
     def evaluate(self, params: PyTree, batch: PyTree, model_state: PyTree = None) -> dict:
         """The step's loss and metrics without grads: each microbatch's on this rank, averaged over DP
@@ -265,7 +267,9 @@ def flat_layout(inputs: LayoutInputs) -> Layout:
     fp = make_flat_plan(plan, zero.bucket_size, zero.pad_for_high_nccl_busbw, inputs.unit_key)
     check_elementwise(inner, plan, inputs.groups)  # before any layout of its state: the error names it
     mesh = plan.mesh
-    opt_sh = state.opt_state_shardings(inner, fp, options.loss_scale, quantized=zero.param_gather_dtype is not None)
+    opt_sh = state.opt_state_shardings(
+        inner, fp, options.loss_scale, quantized=zero.param_gather_dtype is not None, spike_guard=options.spike_guard
+    )
     offload = flat_offload(fp, inner, opt_sh, zero.offload_fraction)
     replicated = NamedSharding(mesh, P())
     shardings = TrainState(

@@ -24,8 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
 from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common import spike
 from jzero.zero.common.state import ZeroState, keeps_main_params
-from jzero.zero.config import DynamicLossScale
+from jzero.zero.config import DynamicLossScale, SpikeGuard
 from jzero.zero.flat.convert import buckets_to_params, params_to_buckets
 from jzero.zero.flat.plan import FlatPlan
 
@@ -37,9 +38,10 @@ def opt_state_shardings(
     fp: FlatPlan,
     loss_scale: DynamicLossScale | None = None,
     quantized: bool = False,
+    spike_guard: SpikeGuard | None = None,
 ) -> ZeroState:
     """Main params and state leaves shaped like a bucket shard: bucket b's array in `fp.bucket_specs()[b]`;
-    scalars (and the loss scaler's) replicated. Main params are kept as `state.keeps_main_params` says
+    scalars (and the loss scaler's and spike guard's) replicated. Main params are kept as `state.keeps_main_params` says
     (a `quantized` gather keeps them for fp32 params too)."""
     mesh = fp.plan.mesh
     bucket_sh = [NamedSharding(mesh, spec) for spec in fp.bucket_specs()]
@@ -59,8 +61,9 @@ def opt_state_shardings(
     inner_sh = jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(inner.init, shards))
     keep_main = keeps_main_params(jax.tree.leaves(fp.plan.tensors), quantized)
     return ZeroState(
-        bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh)
-    )
+        bucket_sh if keep_main else None, inner_sh, None if loss_scale is None else scaler.shardings(mesh),
+        None if spike_guard is None else spike.shardings(mesh),
+    )  # fmt: skip
 
 
 def param_shardings(fp: FlatPlan) -> PyTree:

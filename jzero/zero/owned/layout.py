@@ -49,6 +49,7 @@ from jzero.errors import ConfigError
 from jzero.mesh import BATCH_AXES, OUTER_AXIS, axes_size, entry_axes
 from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common import spike
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.offload import no_offload
 from jzero.zero.common.probe import check_per_tensor, transformation_name
@@ -330,13 +331,14 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
             jax.lax.all_gather(m.astype(gather_dtype), dom.axes, tiled=False) for m, dom in zip(new_main, owned.domains)
         ]
         new_leaves = [x.astype(t.dtype) for x, t in zip(_unpack(owned, gathered, n_leaves), tensors)]
-        old = ZeroState(opt_state.main_params, opt_state.inner_state, opt_state.grad_scaler)
+        old = ZeroState(opt_state.main_params, opt_state.inner_state, opt_state.grad_scaler, opt_state.spike)
         new_state = ZeroState(
             tuple(m[None] for m in new_main) if keep_main else None, {k: v[None] for k, v in new_rows.items()}
         )
         update = Update(None, None, norm, skip)
         new_params, new_state, metrics = finish(
-            loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state, options.skip_nonfinite
+            loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state, options.skip_nonfinite,
+            options.spike_guard,
         )
         return new_params, new_state, metrics
 
@@ -344,6 +346,7 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
         tuple(rows for _ in owned.domains) if keep_main else None,
         {k: rows for k in state.sizes},
         None if loss_scale is None else scaler.LossScaleState(*[P()] * len(scaler.LossScaleState._fields)),
+        None if options.spike_guard is None else spike.SpikeState(*[P()] * len(spike.SpikeState._fields)),
     )
     update_fn = shard_map(
         rank_update,
@@ -373,13 +376,15 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
     def init_opt(params):
         mains, inner_rows = init_fn(tuple(jax.tree.leaves(params)))
         return ZeroState(
-            mains if keep_main else None, inner_rows, None if loss_scale is None else scaler.init(loss_scale)
-        )
+            mains if keep_main else None, inner_rows, None if loss_scale is None else scaler.init(loss_scale),
+            None if options.spike_guard is None else spike.init(options.spike_guard),
+        )  # fmt: skip
 
     opt_shardings = ZeroState(
         tuple(row_sh for _ in owned.domains) if keep_main else None,
         {k: row_sh for k in state.sizes},
         None if loss_scale is None else scaler.shardings(mesh),
+        None if options.spike_guard is None else spike.shardings(mesh),
     )
     shardings = TrainState(
         local_plan.param_shardings(),  # tp-split, replicated over DP
@@ -519,7 +524,9 @@ class _ModelSpace:
                 return next(bp[path] for bp in by_path if path in bp)
             return self._assemble(i, {b: by_path[b][path] for b, _, _ in self._ranks_of(i)})
 
-        return ZeroState(main, jax.tree_util.tree_map_with_path(leaf, self.model_inner), opt_state.grad_scaler)
+        return ZeroState(
+            main, jax.tree_util.tree_map_with_path(leaf, self.model_inner), opt_state.grad_scaler, opt_state.spike
+        )
 
     def from_model_space(self, opt_state: ZeroState) -> ZeroState:
         """Inverse of `to_model_space`: every rank's segments and state rows, stacked `[n, ...]`."""
@@ -544,4 +551,4 @@ class _ModelSpace:
                 leaves.append(model[path] if i is None else self._local(i, model[path], b, layers=True))
             for k, v in self.state.pack(b, jax.tree.unflatten(layout.treedef, leaves)).items():
                 rows[k].append(v)
-        return ZeroState(mains, {k: jnp.stack(v) for k, v in rows.items()}, opt_state.grad_scaler)
+        return ZeroState(mains, {k: jnp.stack(v) for k, v in rows.items()}, opt_state.grad_scaler, opt_state.spike)

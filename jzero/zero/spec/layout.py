@@ -38,10 +38,11 @@ PyTree = Any
 def spec_layout(inputs: LayoutInputs) -> Layout:
     """The spec layout of a run (module docstring): its shardings and traceable programs."""
     plan, options, config, model_state = inputs.plan, inputs.options, inputs.config, inputs.model_state
-    opt_shardings = opt_state_shardings(inputs.inner, plan, options.loss_scale)
+    opt_shardings = opt_state_shardings(inputs.inner, plan, options.loss_scale, spike_guard=options.spike_guard)
     offload = spec_offload(plan, inputs.inner, opt_shardings, config.offload_fraction)
     optimizer = zero_optimizer(
-        inputs.inner, plan, options.clip_grad, inputs.groups, options.loss_scale, options.skip_nonfinite
+        inputs.inner, plan, options.clip_grad, inputs.groups, options.loss_scale, options.skip_nonfinite,
+        options.spike_guard,
     )
     replicated = NamedSharding(plan.mesh, P())
     shardings = TrainState(

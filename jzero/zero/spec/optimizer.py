@@ -29,10 +29,11 @@ from jax.sharding import PartitionSpec as P
 from jzero.mesh import axes_size
 from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
+from jzero.zero.common import spike
 from jzero.zero.common.state import ZeroState, keeps_main_params
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, choose_shard_dim
 from jzero.zero.common.update import finish, model_copy, optimizer_step
-from jzero.zero.config import DynamicLossScale
+from jzero.zero.config import DynamicLossScale, SpikeGuard
 
 PyTree = Any
 
@@ -93,6 +94,7 @@ def opt_state_shardings(
     plan: ShardingPlan,
     loss_scale: DynamicLossScale | None = None,
     quantized_gather: bool = False,
+    spike_guard: SpikeGuard | None = None,
 ) -> ZeroState:
     """The NamedShardings of the spec path's `ZeroState` (also the model-space layout of checkpoints,
     where a flat path's `quantized_gather` keeps main params: `state.keeps_main_params`)."""
@@ -101,6 +103,7 @@ def opt_state_shardings(
         plan.state_shardings() if keep_main else None,
         inner_state_shardings(inner, plan),
         None if loss_scale is None else scaler.shardings(plan.mesh),
+        None if spike_guard is None else spike.shardings(plan.mesh),
     )
 
 
@@ -130,6 +133,7 @@ def zero_optimizer(
     groups: PyTree | None = None,
     loss_scale: DynamicLossScale | None = None,
     skip_nonfinite: bool = False,
+    spike_guard: SpikeGuard | None = None,
 ) -> ZeroOptimizer:
     """Wraps `inner` as a distributed optimizer with the layout of `plan`.
 
@@ -141,8 +145,9 @@ def zero_optimizer(
       loss_scale: fp16's dynamic loss scaling (`common/loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
       skip_nonfinite: an inf or nan grad norm keeps the old params and state (`update.finish`).
+      spike_guard: so does a grad norm above its recent mean (`common/spike.py`), None = off.
     """
-    shardings = opt_state_shardings(inner, plan, loss_scale)
+    shardings = opt_state_shardings(inner, plan, loss_scale, spike_guard=spike_guard)
     state_sh, inner_sh = plan.state_shardings(), shardings.inner_state
     keep_main = shardings.main_params is not None
     values = None if groups is None else groups_lib.per_param_values(groups)
@@ -151,7 +156,8 @@ def zero_optimizer(
         main = _constrain(jax.tree.map(lambda p: p.astype(jnp.float32), params), state_sh)
         inner_state = _constrain(inner.init(main), inner_sh)
         grad_scaler = None if loss_scale is None else scaler.init(loss_scale)
-        return ZeroState(main if keep_main else None, inner_state, grad_scaler)
+        history = None if spike_guard is None else spike.init(spike_guard)
+        return ZeroState(main if keep_main else None, inner_state, grad_scaler, history)
 
     def step(grads, state, params):
         grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state_sh)  # each rank's shard
@@ -165,7 +171,7 @@ def zero_optimizer(
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))
         new_params, new_state, metrics = finish(
-            loss_scale, update, params, state, new_params, new_state, skip_nonfinite
+            loss_scale, update, params, state, new_params, new_state, skip_nonfinite, spike_guard
         )
         return new_params, new_state, metrics
 

@@ -8,6 +8,7 @@ import numpy as np
 from helpers import pytree
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common.state import ZeroState
+from jzero.zero.common.update import Update, finish
 from jzero.zero.config import DynamicLossScale
 
 
@@ -73,13 +74,12 @@ def test_found_inf_and_skip_if():
         np.testing.assert_array_equal(taken[k], new[k])
 
 
-def test_guard_step_reports_the_scale_the_grads_carried():
+def test_finish_reports_the_scale_the_grads_carried():
     cfg = DynamicLossScale(initial_loss_scale=2.0**5, loss_scale_window=1)
     params, state = pytree.init_params(), ZeroState(None, (), scaler.init(cfg))
     new = jax.tree.map(lambda x: 2 * x, params)
-    out, new_state, m = scaler.guard_step(
-        cfg, jnp.asarray(False), jnp.float32(3.0), params, state, new, ZeroState(None, ())
-    )
+    update = Update(None, (), jnp.float32(3.0), jnp.asarray(False))
+    out, new_state, m = finish(cfg, update, params, state, new, ZeroState(None, ()))
     assert float(m["loss_scale"]) == 2.0**5 and float(m["skipped"]) == 0.0 and float(m["grad_norm"]) == 3.0
     assert float(new_state.grad_scaler.loss_scale) == 2.0**6  # window 1: grown after this finite step
     np.testing.assert_array_equal(out["w"], new["w"])
