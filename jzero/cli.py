@@ -174,7 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp):
-        sp.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny GPT)")
+        sp.add_argument(
+            "config", nargs="?", help="YAML config, or a preset's name: llama2_7b, ... (default: the embedded tiny GPT)"
+        )
         sp.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. zero.strategy=optim"
         )

@@ -6,13 +6,20 @@ The config composes the library's own types (`jzero.zero.config.ZeroConfig`, `jz
 sections (model, train, data, ...; `jzero.config_schema`). Every key is validated once, at load
 time (`jzero.config_checks`); a bad key or value raises one `ConfigError` that names it. This
 module is where the config is imported from: it also holds the schema's types and `validate`. It
-imports no JAX, so the CLI can read the config (and `train.host_devices`) before JAX starts.
+starts no JAX, so the CLI can read the config (and `train.host_devices`) before JAX starts: it imports
+only what the config names by import path (`jzero.imports`: a model class that declares its own keys,
+an optax optimizer), which may import JAX but not start it.
+
+A config is a YAML file, or a preset by name: `default`, `llama2_7b`, ... (`presets()`), the files of
+`configs/`, which an install ships as package data (`jzero/configs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.resources
+import re
 import types
 import typing
 from pathlib import Path
@@ -23,6 +30,7 @@ import yaml
 from jzero.config_checks import BF16_MAX_DECAY, keyed, loss_scale, validate
 from jzero.config_schema import (
     GPT_IMPL,
+    MODEL_HARNESS_KEYS,
     AttentionImpl,
     AuxLossKind,
     CheckpointConfig,
@@ -32,6 +40,7 @@ from jzero.config_schema import (
     DistributedConfig,
     DropPolicy,
     DType,
+    KeywordArgs,
     MlpKind,
     ModelConfig,
     MoEConfig,
@@ -40,6 +49,7 @@ from jzero.config_schema import (
     MuonScaleMode,
     NewtonSchulzDType,
     NormKind,
+    OptaxConfig,
     OptimizerConfig,
     OptimizerName,
     PosKind,
@@ -51,10 +61,12 @@ from jzero.config_schema import (
     yaml_key,
 )
 from jzero.errors import ConfigError
+from jzero.imports import import_object
 
 __all__ = [
     "BF16_MAX_DECAY",
     "GPT_IMPL",
+    "MODEL_HARNESS_KEYS",
     "AttentionImpl",
     "AuxLossKind",
     "CheckpointConfig",
@@ -65,6 +77,7 @@ __all__ = [
     "DataKind",
     "DistributedConfig",
     "DropPolicy",
+    "KeywordArgs",
     "MlpKind",
     "ModelConfig",
     "MoEConfig",
@@ -73,6 +86,7 @@ __all__ = [
     "MuonScaleMode",
     "NewtonSchulzDType",
     "NormKind",
+    "OptaxConfig",
     "OptimizerConfig",
     "OptimizerName",
     "PosKind",
@@ -84,15 +98,32 @@ __all__ = [
     "from_dict",
     "load_config",
     "loss_scale",
+    "presets",
     "resolve_mesh",
     "to_dict",
     "validate",
 ]
 
 
+# The preset configs (`configs/*.yaml`): package data of an install, a link to `configs/` in a checkout.
+PRESETS = importlib.resources.files("jzero") / "configs"
+# A number YAML 1.1 reads as a string: an exponent without a dot (`1e-3`).
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def presets() -> list[str]:
+    """The names of the preset configs, which `load_config` takes in place of a path."""
+    return sorted(p.name.removesuffix(".yaml") for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
+
+
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Checks and converts one YAML value to the field type `tp`."""
     origin = typing.get_origin(tp)
+    if tp is KeywordArgs:  # passed through to a function as YAML typed them, but for `1e-3`, a number
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}={value!r} must be a mapping of argument names to values")
+        number = lambda v: float(v) if isinstance(v, str) and _EXPONENT.fullmatch(v) else v  # noqa: E731
+        return KeywordArgs({k: [number(x) for x in v] if isinstance(v, list) else number(v) for k, v in value.items()})
     if origin is tuple:  # tuple[Item, ...]: a YAML list
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list")
@@ -136,14 +167,14 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
+    fields = {yaml_key(f): f.name for f in dataclasses.fields(cls) if yaml_key(f) is not None}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
     missing = [
         key
         for key, f in ((yaml_key(f), f) for f in dataclasses.fields(cls))
-        if key not in raw and f.default is dataclasses.MISSING
+        if key not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"config key {prefix}{missing[0]} is required")
@@ -151,7 +182,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key_name, value in raw.items():
         name, key = fields[key_name], f"{prefix}{key_name}"
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        if tp is ModelConfig:
+            kwargs[name] = _build_model(value, f"{key}.")
+        elif dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{key}.")
         else:
             kwargs[name] = _coerce(key, tp, value)
@@ -159,6 +192,41 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         return cls(**kwargs)
     except ConfigError as e:  # a library type checked itself: name the key as the YAML spells it
         raise keyed(prefix, e) from None
+
+
+def _build_model(raw: Any, prefix: str) -> ModelConfig:
+    """The `model:` section: jzero's GPT's keys (`ModelConfig`), or, for a class that declares its own
+    (`config_class`, jzero.model), the harness's keys (MODEL_HARNESS_KEYS) and that class's, the latter in
+    `ModelConfig.own`. A key both declare (`vocab_size`) is one value given to both, by default the class's."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix} must be a mapping, got {raw!r}")
+    own_class = _own_config_class(_coerce(f"{prefix}impl", str, raw.get("impl", GPT_IMPL)))
+    if own_class is None:
+        return _build(ModelConfig, raw, prefix)
+    own_keys = {yaml_key(f) for f in dataclasses.fields(own_class)}
+    unknown = sorted(set(raw) - set(MODEL_HARNESS_KEYS) - own_keys)
+    if unknown:
+        known = ", ".join(sorted({*MODEL_HARNESS_KEYS, *own_keys}))
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {known})")
+    own = _build(own_class, {k: v for k, v in raw.items() if k in own_keys}, prefix)
+    harness = {k: raw[k] if k in raw else getattr(own, k) for k in MODEL_HARNESS_KEYS if k in raw or k in own_keys}
+    return dataclasses.replace(_build(ModelConfig, harness, prefix), own=own)
+
+
+def _own_config_class(impl: str) -> type | None:
+    """The `config_class` the model class `impl` names declares, a frozen dataclass; None for jzero's GPT
+    and a class that declares none (imported only then: a class jzero cannot import is refused here)."""
+    if impl == GPT_IMPL:
+        return None
+    cls = import_object("model.impl", impl)
+    own = getattr(cls, "config_class", None)
+    if own is None:
+        return None
+    if not (isinstance(own, type) and dataclasses.is_dataclass(own) and own.__dataclass_params__.frozen):
+        raise ConfigError(
+            f"model.impl={impl!r}: its config_class {own!r} must be a frozen dataclass (its own model: keys)"
+        )
+    return own
 
 
 def _apply_override(raw: dict, assignment: str) -> None:
@@ -187,7 +255,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """
     raw = {}
     if path is not None:
-        path = Path(path)
+        path = _config_path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
@@ -207,6 +275,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg
+
+
+def _config_path(path: str | Path):
+    """`path`, or the preset it names: a name with no directory and no suffix (`llama2_7b`) that is no file here."""
+    path = Path(path)
+    if path.is_file() or path.parent != Path(".") or path.suffix:
+        return path
+    preset = PRESETS / f"{path.name}.yaml"
+    if not preset.is_file():
+        raise ConfigError(f"config {path} is no file and no preset (presets: {', '.join(presets())})")
+    return preset
 
 
 def resolve_mesh(cfg: Config, n_devices: int) -> Config:
@@ -237,14 +316,14 @@ def to_dict(cfg: Config) -> dict:
         if isinstance(v, enum.Enum):
             return v.value
         if dataclasses.is_dataclass(v):
-            return {yaml_key(g): plain(getattr(v, g.name)) for g in dataclasses.fields(v)}
+            return {yaml_key(g): plain(getattr(v, g.name)) for g in dataclasses.fields(v) if yaml_key(g) is not None}
         if isinstance(v, tuple):
             return [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else plain(x) for x in v]
+        if isinstance(v, KeywordArgs):
+            return {k: plain(x) for k, x in v.items()}
         return v
 
-    return {
-        f.name: {
-            yaml_key(g): plain(getattr(getattr(cfg, f.name), g.name)) for g in dataclasses.fields(getattr(cfg, f.name))
-        }
-        for f in dataclasses.fields(cfg)
-    }
+    out = {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if cfg.model.own is not None:  # a model's own keys, as its section was written: from_dict reads them back
+        out["model"] = {k: out["model"][k] for k in MODEL_HARNESS_KEYS} | plain(cfg.model.own)
+    return out

@@ -5,14 +5,16 @@ split this model and batch?), one `ConfigError` naming the key.
 The library's types check their own fields when built (`ZeroConfig`, `MeshConfig`,
 `ParamGroupRule`, and `DynamicLossScale`, which `loss_scale` builds from the `precision.*` keys);
 `keyed` spells the field their error names as the CLI's key. Their checks are not repeated here,
-but for one message for every key that is not a finite number, given first. This module imports
-no JAX.
+but for one message for every key that is not a finite number, given first. This module starts
+no JAX: it imports an optax optimizer named in the config (`optax_function`), whose signature it checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 from jzero.config_schema import (
@@ -23,6 +25,7 @@ from jzero.config_schema import (
     DType,
     ModelConfig,
     MomentsDType,
+    OptaxConfig,
     OptimizerConfig,
     OptimizerName,
     PosKind,
@@ -32,6 +35,7 @@ from jzero.config_schema import (
     yaml_key,
 )
 from jzero.errors import ConfigError
+from jzero.imports import import_object
 from jzero.mesh import AUTO_DP, MeshConfig
 from jzero.zero.config import DynamicLossScale, SpikeGuard, ZeroConfig, ZeroPath
 
@@ -53,9 +57,10 @@ def _positive(key: str, value: int | float) -> None:
 
 
 def _check_finite(prefix: str, section: Any) -> None:
-    """Every float of the dataclass `section` (and of its dataclass fields) is finite."""
+    """Every float of the dataclass `section` (and of its dataclass fields) is finite; a field that is no key
+    (`ModelConfig.own`) holds keys of `section` itself."""
     for f in dataclasses.fields(section):
-        key, value = f"{prefix}.{yaml_key(f)}", getattr(section, f.name)
+        key, value = prefix if yaml_key(f) is None else f"{prefix}.{yaml_key(f)}", getattr(section, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
         if dataclasses.is_dataclass(value):
@@ -77,16 +82,73 @@ def _check_optimizer(o: OptimizerConfig) -> None:
     if o.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     _check_param_groups(o)
+    decays = _check_optax(o)
     if o.moments_dtype == MomentsDType.BFLOAT16:
-        decays = [("b1", o.b1), ("b2", o.b2 if o.name != OptimizerName.SGD else 0.0)]
-        decays += [("muon.momentum", o.muon.momentum)] if o.name == OptimizerName.MUON else []
-        key, beta = max(decays, key=lambda kv: kv[1])
+        if o.name != OptimizerName.OPTAX:
+            decays = [("b1", o.b1), ("b2", o.b2 if o.name != OptimizerName.SGD else 0.0)]
+            decays += [("muon.momentum", o.muon.momentum)] if o.name == OptimizerName.MUON else []
+        key, beta = max(decays, key=lambda kv: kv[1], default=("b1", 0.0))
         if beta > BF16_MAX_DECAY:
             raise ConfigError(
                 f"optimizer.moments_dtype=bfloat16 with optimizer.{key}={beta}: a moment stored in bf16 stops "
                 f"decaying up to 2**-8 / (1 - {key}) above its value; use {key} <= {BF16_MAX_DECAY} "
                 "or moments_dtype=float32"
             )
+
+
+OPTAX_KEY = "optimizer.optax.name"
+
+
+def optax_function(name: str) -> tuple[Callable, bool]:
+    """The function `optimizer.optax.name` names (a bare name is optax's: `lion`; `optax.contrib.muon`;
+    `package.module:function`) and whether it takes a `learning_rate`; ConfigError naming the key when it
+    cannot be imported or is not callable."""
+    fn = import_object(OPTAX_KEY, name, "function", default_module="optax")
+    if not callable(fn):
+        raise ConfigError(f"{OPTAX_KEY}={name!r} is a {type(fn).__name__}, not a function returning an optax optimizer")
+    try:
+        takes_lr = "learning_rate" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: no learning_rate
+        takes_lr = False
+    return fn, takes_lr
+
+
+def _check_optax(o: OptimizerConfig) -> list[tuple[str, float]]:
+    """`optimizer.optax`, set for name optax only: a function whose signature takes its args, all but
+    `learning_rate` (the run's schedule). Returns its EMA decays (`b1`, `b2`: given or its defaults) as
+    (key, value) for the bf16 moments' check."""
+    x = o.optax
+    if o.name != OptimizerName.OPTAX:
+        if x != OptaxConfig():
+            raise ConfigError(f"optimizer.optax is set but optimizer.name={o.name.value}: set optimizer.name=optax")
+        return []
+    if x.name is None:
+        raise ConfigError(
+            f"optimizer.name=optax needs {OPTAX_KEY}: an optax optimizer (lion, adafactor, optax.contrib.muon) "
+            "or package.module:function"
+        )
+    if "learning_rate" in x.args:
+        raise ConfigError(
+            "optimizer.optax.args.learning_rate: the learning rate is the run's schedule (optimizer.lr, warmup_steps)"
+        )
+    fn, _ = optax_function(x.name)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to check the args against: the call says
+        return []
+    named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        takes = ", ".join(p.name for p in named if p.name != "learning_rate")
+        for arg in x.args:
+            if arg not in {p.name for p in named}:
+                raise ConfigError(f"optimizer.optax.args.{arg}: {x.name} takes no {arg} (it takes: {takes})")
+    for p in named:
+        if p.default is p.empty and p.name != "learning_rate" and p.name not in x.args:
+            raise ConfigError(f"optimizer.optax.args.{p.name} is required: {x.name} has no default for it")
+    decays = {p.name: p.default for p in named if p.name in ("b1", "b2")} | {
+        k: v for k, v in x.args.items() if k in ("b1", "b2")
+    }
+    return [(f"optax.args.{k}", v) for k, v in decays.items() if isinstance(v, int | float)]
 
 
 def _check_muon(cfg: Config) -> None:
@@ -126,6 +188,11 @@ def _check_param_groups(o: OptimizerConfig) -> None:
     for i, rule in enumerate(o.param_groups):  # each rule checked its own values (`ParamGroupRule`)
         if rule.wd_mult is not None and o.name not in (OptimizerName.ADAMW, OptimizerName.MUON):
             key = f"optimizer.param_groups[{i}]"
+            if o.name == OptimizerName.OPTAX:
+                raise ConfigError(
+                    f"{key}.wd_mult: optimizer.name=optax decays by its own args (optimizer.optax.args), "
+                    "which read no wd_mult (adamw's and muon's weight decay do)"
+                )
             raise ConfigError(f"{key}.wd_mult: optimizer.name={o.name.value} has no weight decay (adamw and muon have)")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
+from typing import Any
 
 from jzero.errors import ConfigError
 from jzero.mesh import AUTO_DP, MeshConfig
@@ -19,6 +21,8 @@ from jzero.zero.config import DynamicLossScale, ParamGroupRule, ZeroConfig
 
 # `model.impl` of jzero's GPT, the default model (the keys of `ModelConfig` are its).
 GPT_IMPL = "jzero.train.model:GPTModel"
+# The `model:` keys the harness reads itself, whatever the model: the class, the data's ids, the batch's tokens.
+MODEL_HARNESS_KEYS = ("impl", "vocab_size", "seq_len")
 
 
 class DType(str, enum.Enum):
@@ -37,6 +41,7 @@ class OptimizerName(str, enum.Enum):
     ADAM = "adam"
     SGD = "sgd"
     MUON = "muon"  # Megatron's Muon for the matrices, AdamW for the rest (`optimizer.muon`)
+    OPTAX = "optax"  # any optax optimizer, by name (`optimizer.optax`)
 
 
 class NewtonSchulzDType(str, enum.Enum):
@@ -179,7 +184,8 @@ class ModelConfig:
 
     `vocab_size` and `seq_len` are the harness's too (the data's ids, the batch's [B, seq_len + 1]
     tokens); the rest describe jzero's GPT (token embeddings, pre-norm attention and MLP blocks) and
-    are checked only for it (`jzero.config_checks`): another model reads those it wants and checks them itself.
+    are checked only for it (`jzero.config_checks`): another model reads those it wants and checks them itself,
+    or declares keys of its own in their place (`own`).
     The defaults are GPT-2 style; `configs/llama2_7b.yaml` shows the LLaMA options (swiglu, rmsnorm,
     no bias, rope, grouped-query attention).
     """
@@ -207,6 +213,10 @@ class ModelConfig:
     # never the whole [B, T, V] (a large vocabulary's peak); null: all at once.
     loss_chunk: int | None = None
     moe: MoEConfig = MoEConfig()  # off while moe.num_experts is 0
+    # A model class's own keys: an instance of its `config_class` (jzero.model), parsed from this section's
+    # keys but the harness's (MODEL_HARNESS_KEYS), which then takes no GPT key. None for a class that
+    # declares none (jzero's GPT): it reads the keys above. Not a YAML key itself.
+    own: Any = dataclasses.field(default=None, metadata={"key": None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +250,52 @@ class MuonConfig:
     extra_scale_factor: float = 1.0  # --muon-extra-scale-factor
 
 
+class KeywordArgs(Mapping):
+    """Keyword arguments from YAML passed through to a function (`optimizer.optax.args`): read-only and
+    hashable as every config value is (a `Config` is a cache key), YAML's lists kept as tuples."""
+
+    def __init__(self, items: Mapping[str, Any] = ()):
+        self._items = {k: _frozen(v) for k, v in dict(items).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items.items(), key=lambda kv: kv[0])))
+
+    def __repr__(self) -> str:
+        return f"KeywordArgs({self._items!r})"
+
+
+def _frozen(value: Any) -> Any:
+    """A YAML value made immutable: mappings as KeywordArgs, lists as tuples."""
+    if isinstance(value, Mapping):
+        return KeywordArgs(value)
+    return tuple(map(_frozen, value)) if isinstance(value, list | tuple) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class OptaxConfig:
+    """`optimizer.name: optax`'s own keys: an optax optimizer, or any function that returns an optax
+    `GradientTransformation`, by name, its keyword arguments passed through (`jzero.optim.optax_by_name`).
+
+    The run's schedule (`optimizer.lr`, `warmup_steps`) is its `learning_rate` (a transformation without
+    that argument, `scale_by_lion`, is followed by `optax.scale_by_learning_rate`); `optimizer.clip_grad`
+    clips before it and `param_groups`' `lr_mult` scales after it. Its weight decay is its own
+    (`args: {weight_decay: ...}`, on every param): `optimizer.b1, b2, eps, weight_decay, weight_decay_1d`
+    and `param_groups`' `wd_mult` are the built-in optimizers' and do not apply.
+    """
+
+    name: str | None = None  # lion (optax.lion), optax.contrib.schedule_free_adamw, package.module:function
+    args: KeywordArgs = KeywordArgs()  # its keyword arguments but learning_rate, e.g. {b1: 0.9, weight_decay: 0.1}
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.ADAMW
@@ -254,6 +310,7 @@ class OptimizerConfig:
     warmup_steps: int = 10  # linear warmup, then cosine decay to 10% of lr
     moments_dtype: MomentsDType = MomentsDType.FLOAT32  # moments stored in it, math in fp32 (Megatron's exp_avg_dtype)
     muon: MuonConfig = MuonConfig()  # name muon only
+    optax: OptaxConfig = OptaxConfig()  # name optax only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +419,7 @@ class Config:
             raise ConfigError("mesh.dp=-1 is not resolved yet: resolve_mesh(cfg, device count) fills it in")
 
 
-def yaml_key(f: dataclasses.Field) -> str:
-    """The YAML spelling of a field (`async` is a Python keyword, so its field is `async_`)."""
+def yaml_key(f: dataclasses.Field) -> str | None:
+    """The YAML spelling of a field (`async` is a Python keyword, so its field is `async_`); None for a
+    field that is no key (`ModelConfig.own`)."""
     return f.metadata.get("key", f.name)

@@ -2,12 +2,25 @@
 the config names one.
 
 `model.impl: "module:Class"` (default `jzero.train.model:GPTModel`, jzero's GPT) names the class;
-`make_model` imports it and builds `Class(cfg.model, param_dtype=..., seed=train.seed, dp_axes=...)`.
-The class reads the `model:` keys it needs (a model of one's own may ignore the GPT's: `n_heads`,
-`mlp`, ...) and raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 2 from
-the CLI). `dp_axes` are the mesh axes each rank's loss runs manual over (`jzero.mesh.BATCH_AXES`):
-a model that needs statistics over the whole data-parallel batch (a MoE's global load balance)
-sums them over these; a model that needs none ignores it.
+`make_model` imports it and builds `Class(model_cfg, param_dtype=..., seed=train.seed, dp_axes=...)`.
+`model_cfg` is, for a class that declares its own keys, an instance of them; else the `model:` section:
+
+- Its own keys: a class attribute `config_class`, a frozen dataclass typed and with defaults as
+  `jzero.config_schema`'s sections are. The `model:` section's keys but the harness's (`impl`,
+  `vocab_size`, `seq_len`: `MODEL_HARNESS_KEYS`) are then its, parsed into it when the config loads (an
+  unknown key, a wrong type, a bad enum value: one line; `--set model.KEY=...` as for any key), and it
+  is what the class gets, and what its static `param_count` gets. A field named as a harness key
+  (`vocab_size`) is that key: one value for both, by default the field's. The GPT's keys are refused
+  for it. The config keeps it in `cfg.model.own`; `jzero.config.to_dict` writes its keys in `model:`
+  (checkpoints, W&B, the processes' agreement), from which `from_dict` reads them back.
+- No `config_class` (jzero's GPT): the `ModelConfig` of the section, the GPT's keys, of which the
+  class reads those it needs (a model of one's own may ignore the GPT's: `n_heads`, `mlp`, ...).
+
+The class raises `jzero.errors.ConfigError` for values it cannot take (one line, exit 2 from
+the CLI; a `config_class` may raise it in `__post_init__`, naming the field). `dp_axes` are the mesh
+axes each rank's loss runs manual over (`jzero.mesh.BATCH_AXES`): a model that needs statistics over
+the whole data-parallel batch (a MoE's global load balance) sums them over these; a model that needs
+none ignores it.
 
 Params are any pytree of arrays (jzero's GPT: a nested dict); every `...(params)` method below
 takes the params or their `ShapeDtypeStruct`s (`abstract_params()`) and returns a tree of the same
@@ -53,11 +66,11 @@ A model without `init_state` (or whose `init_state()` is None) trains as before,
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jzero.errors import ConfigError
+from jzero.imports import import_object
 
 if TYPE_CHECKING:
     import jax
@@ -151,9 +164,9 @@ def activation_bytes(model: Model, rows: int, tp: int) -> int:
 
 def param_count(cfg: Config) -> int | None:
     """The parameter count of the model `cfg.model.impl` names, from its class's static
-    `param_count(cfg.model)` without building the model; None for a class without it."""
+    `param_count(model_cfg)` (module docstring) without building the model; None for a class without it."""
     method = getattr(model_class(cfg.model.impl), "param_count", None)
-    return None if method is None else int(method(cfg.model))
+    return None if method is None else int(method(_model_cfg(cfg)))
 
 
 def remat(model: Model) -> bool:
@@ -190,18 +203,8 @@ def training_loss(model: Model):
 def model_class(path: str) -> type:
     """The class `path` ("package.module:Class") names; ConfigError naming `model.impl` when it
     cannot be imported, is not there, or lacks a method of the protocol."""
-    module_name, sep, name = path.partition(":")
-    if not sep or not module_name or not name:
-        raise ConfigError(f"{KEY}={path!r} must look like package.module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:  # ModuleNotFoundError too: the module, or one it imports
-        raise ConfigError(f"{KEY}={path!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
-    cls = module
-    for part in name.split("."):
-        cls = getattr(cls, part, None)
-        if cls is None:
-            raise ConfigError(f"{KEY}={path!r}: module {module_name} has no {name}")
+    cls = import_object(KEY, path)
+    name = path.partition(":")[2]
     missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(f"{KEY}={path!r}: {name} has no {', '.join(missing)} (the model protocol, jzero/model.py)")
@@ -209,8 +212,9 @@ def model_class(path: str) -> type:
 
 
 def make_model(cfg: Config) -> Model:
-    """The model `cfg.model.impl` names, built as `Class(cfg.model, param_dtype=..., seed=cfg.train.seed,
-    dp_axes=jzero.mesh.BATCH_AXES)`."""
+    """The model `cfg.model.impl` names, built as `Class(model_cfg, param_dtype=..., seed=cfg.train.seed,
+    dp_axes=jzero.mesh.BATCH_AXES)`: `model_cfg` its own config (`cfg.model.own`) if it declares one, else
+    `cfg.model`."""
     import jax.numpy as jnp
 
     from jzero.mesh import BATCH_AXES
@@ -218,7 +222,12 @@ def make_model(cfg: Config) -> Model:
     cls = model_class(cfg.model.impl)
     _check_constructor(cls)
     dtype = jnp.dtype(cfg.precision.param_dtype.value)
-    return cls(cfg.model, param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)
+    return cls(_model_cfg(cfg), param_dtype=dtype, seed=cfg.train.seed, dp_axes=BATCH_AXES)
+
+
+def _model_cfg(cfg: Config) -> Any:
+    """What the model class is built with: its own keys (`config_class`), or the `model:` section."""
+    return cfg.model if cfg.model.own is None else cfg.model.own
 
 
 CONSTRUCTOR_KEYWORDS = ("param_dtype", "seed", "dp_axes")

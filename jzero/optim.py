@@ -1,6 +1,6 @@
 """The config's `optimizer:` and `precision:` sections as what `build_zero` takes: the learning-rate
-schedule, the optax chain (element-wise, or Megatron's Muon), Megatron's param groups and fp16's
-dynamic loss scaling."""
+schedule, the optax chain (element-wise, Megatron's Muon, or any optax optimizer by name), Megatron's
+param groups and fp16's dynamic loss scaling."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero.config import Config, DType, MomentsDType, OptimizerName, loss_scale
+from jzero.config import Config, ConfigError, DType, MomentsDType, OptimizerName, loss_scale
+from jzero.config_checks import OPTAX_KEY, optax_function
+from jzero.errors import one_line
 from jzero.model import Model
 from jzero.zero import groups
 from jzero.zero.common.moments import store_state_in
@@ -34,14 +36,17 @@ def inner_optimizer(cfg: Config, model: Model | None = None) -> optax.GradientTr
 
     optax's own `sgd`, `adam` and `adamw` chains, with jzero's param-group pieces: the
     weight decay reads each param's `wd_mult`, a last step its `lr_mult`; or Megatron's Muon
-    (`groups.muon`, which reads both itself; `model` gives its params' stacked layer dims). With
-    `optimizer.moments_dtype: bfloat16` its state is stored in bf16 (`zero.moments`).
+    (`groups.muon`, which reads both itself; `model` gives its params' stacked layer dims); or the
+    optax optimizer `optimizer.optax` names (`optax_by_name`). With `optimizer.moments_dtype: bfloat16`
+    its state is stored in bf16 (`zero.moments`).
     """
     o, lr = cfg.optimizer, lr_schedule(cfg)
     if o.name == OptimizerName.ADAMW:
         chain = groups.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
     elif o.name == OptimizerName.MUON:
         chain = muon(cfg, lr, model)
+    elif o.name == OptimizerName.OPTAX:
+        chain = optax_by_name(cfg, lr)
     else:
         if o.name == OptimizerName.SGD:
             direction = optax.trace(decay=o.b1) if o.b1 else optax.identity()
@@ -51,6 +56,23 @@ def inner_optimizer(cfg: Config, model: Model | None = None) -> optax.GradientTr
     if o.moments_dtype == MomentsDType.FLOAT32:
         return chain
     return store_state_in(chain, jnp.dtype(o.moments_dtype.value))
+
+
+def optax_by_name(cfg: Config, lr: optax.Schedule) -> optax.GradientTransformation:
+    """The optimizer `optimizer.optax.name` names, called with `optimizer.optax.args` and `lr` as its
+    `learning_rate` (one without that argument is followed by `optax.scale_by_learning_rate(lr)`), then
+    each param's `lr_mult` (`groups.scale_by_lr_mult`). Its weight decay is its own (`args`): it reads no
+    `wd_mult`. ConfigError naming the key when the call fails or returns no optax transformation."""
+    x = cfg.optimizer.optax
+    fn, takes_lr = optax_function(x.name)
+    try:
+        tx = fn(learning_rate=lr, **x.args) if takes_lr else fn(**x.args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{OPTAX_KEY}={x.name!r} with optimizer.optax.args: {one_line(e)}") from None
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ConfigError(f"{OPTAX_KEY}={x.name!r} returned a {type(tx).__name__}, not an optax GradientTransformation")
+    steps = [tx] if takes_lr else [tx, optax.scale_by_learning_rate(lr)]
+    return optax.chain(*steps, groups.scale_by_lr_mult())
 
 
 def muon(cfg: Config, lr: optax.Schedule, model: Model | None) -> optax.GradientTransformation:

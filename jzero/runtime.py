@@ -36,11 +36,11 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 from jzero.config import DistributedConfig
 from jzero.errors import ConfigError, RunError, one_line
 from jzero.fatal import one_line_abort
+from jzero.imports import default_platforms
 from jzero.peers import KEY, Monitor, die
 
 _SLACK_S = 5  # process 0 holds the coordinator: it gives up this much later, so the others report first
@@ -82,8 +82,7 @@ def start_jax(
     plugin (the gpu-aot extra, for deviceless compilation) does not fail loudly trying to
     start a GPU backend.
     """
-    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    default_platforms()
     import jax
 
     try:

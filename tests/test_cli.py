@@ -1,4 +1,4 @@
-"""Config loading, one-line config errors, and `jzero train` end to end."""
+"""Config loading (files and presets by name), one-line config errors, and `jzero train` end to end."""
 
 import json
 import math
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jzero.cli import main
-from jzero.config import Config, load_config
+from jzero.config import Config, load_config, presets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64"]
@@ -57,6 +57,21 @@ def test_overrides_are_typed():
         (["optimizer.name=muon", "optimizer.muon.ns_steps=0"], "optimizer.muon.ns_steps=0 must be positive"),
         (["optimizer.name=muon", "optimizer.muon.momentum=1"], "optimizer.muon.momentum=1.0 must be in [0, 1)"),
         (["optimizer.name=muon", "zero.path=flat"], "optimizer.name=muon cannot run on zero.path=flat"),
+        (["optimizer.name=optax"], "optimizer.name=optax needs optimizer.optax.name: an optax optimizer"),
+        (["optimizer.optax.name=lion"], "optimizer.optax is set but optimizer.name=adamw"),
+        (["optimizer.name=optax", "optimizer.optax.name=lionx"], "optimizer.optax.name='lionx': module optax has no"),
+        (["optimizer.name=optax", "optimizer.optax.name=optax.tree_utils"], "is a module, not a function returning"),
+        (["optimizer.name=optax", "optimizer.optax.name=nope.mod:f"], "optimizer.optax.name='nope.mod:f': cannot"),
+        (["optimizer.name=optax", "optimizer.optax.name=lion", "optimizer.optax.args.momentum=0.9"],
+         "optimizer.optax.args.momentum: lion takes no momentum (it takes: b1, b2, mu_dtype, weight_decay, mask)"),
+        (["optimizer.name=optax", "optimizer.optax.name=lion", "optimizer.optax.args.learning_rate=1"],
+         "optimizer.optax.args.learning_rate: the learning rate is the run's schedule"),
+        (["optimizer.name=optax", "optimizer.optax.name=optax.contrib.schedule_free"],
+         "optimizer.optax.args.base_optimizer is required"),
+        (["optimizer.name=optax", "optimizer.optax.name=lion", "optimizer.param_groups=[{pattern: a, wd_mult: 0}]"],
+         "optimizer.param_groups[0].wd_mult: optimizer.name=optax decays by its own args"),
+        (["optimizer.name=optax", "optimizer.optax.name=lion", "optimizer.moments_dtype=bfloat16"],
+         "optimizer.moments_dtype=bfloat16 with optimizer.optax.args.b2=0.99"),
         (["model.moe.num_experts=6", "mesh.ep=4"], "model.moe.num_experts=6 must be divisible by mesh.ep=4"),
         (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must be in [1, model.moe.num_experts=4]"),
         (["model.moe.num_experts=4", "model.moe.capacity_factor=nan"], "model.moe.capacity_factor=nan must be"),
@@ -75,6 +90,15 @@ def test_bad_input_is_one_clear_line(overrides, needle, capsys, tmp_path):
 def test_missing_config_file(capsys):
     assert main(["train", "/no/such.yaml"]) == 2
     assert "config file /no/such.yaml does not exist" in capsys.readouterr().err
+
+
+def test_a_preset_is_a_config_by_name(capsys):
+    """`jzero train llama2_7b`: a name with no directory and no suffix is the preset of configs/ (package data
+    of an install: tests/test_packaging.py); an unknown one lists them."""
+    assert load_config("llama2_7b") == load_config(ROOT / "configs" / "llama2_7b.yaml")
+    assert load_config("default") == Config()
+    assert main(["train", "llama9"]) == 2
+    assert f"config llama9 is no file and no preset (presets: {', '.join(presets())})" in capsys.readouterr().err
 
 
 def test_cli_process_exit_code_and_no_traceback():

@@ -1,21 +1,24 @@
 """A model of one's own: `model.impl: helpers.toy_model:ToyModel` (tests/helpers/toy_model.py, no change in jzero/)
-trains under `jzero train` and is compiled and reported by `jzero hlo` and `jzero memory`; a bad
-`model.impl` is one line; the inspect tools import nothing from the harness."""
+trains under `jzero train` and is compiled and reported by `jzero hlo` and `jzero memory`; one that declares
+its own `model:` keys (`config_class`) gets them typed, from YAML and `--set`, and its checkpoints record them;
+a bad `model.impl` or key is one line; the inspect tools import nothing from the harness."""
 
 import ast
 import json
 import math
 from pathlib import Path
 
+import jax
 import jaxlib
 import pytest
 
-from helpers.toy_model import ToyModel
+from helpers.toy_model import Activation, ToyConfig, ToyModel, ToyModelWithOwnKeys
 from jzero.cli import main
-from jzero.config import load_config
+from jzero.config import from_dict, load_config, to_dict
 from jzero.errors import ConfigError
 from jzero.inspect.comms.records import HloReport
-from jzero.model import REQUIRED, Model
+from jzero.model import REQUIRED, Model, make_model
+from jzero.train.ckpt_step import read_meta
 from jzero.train.model import GPTModel
 from jzero.zero.build import xla_crashes_on_empty_params
 
@@ -24,6 +27,7 @@ V, D, F = 256, 32, 64
 TOY = ["model.impl=helpers.toy_model:ToyModel", "model.seq_len=16", f"model.d_model={D}", f"model.d_ff={F}",
        "data.kind=synthetic"]  # fmt: skip
 N_PARAMS = V * D + D * F + F * D + D + D * V
+OWN = ["model.impl=helpers.toy_model:ToyModelWithOwnKeys", "model.seq_len=16", "data.kind=synthetic"]
 
 
 def sets(overrides) -> list[str]:
@@ -116,6 +120,54 @@ def test_a_model_with_a_zero_size_param_checkpoints_and_resumes(tmp_path, capsys
     assert main(["ckpt", "info", str(tmp_path / "ck"), "--verify"]) == 0
     info = capsys.readouterr().out
     assert "params/prefix" in info and "(0, 32)" in info and "step 2: verified" in info, info
+
+
+def test_a_model_with_its_own_keys_gets_them_typed():
+    """`config_class = ToyConfig`: the section's keys but impl, vocab_size and seq_len are its, typed (an enum
+    too), `--set` overriding them; the class is built from that ToyConfig; `to_dict` writes the keys where
+    `from_dict` reads them back (a checkpoint's config)."""
+    cfg = load_config(None, [*OWN, "model.d_ff=48", "model.activation=relu", "model.vocab_size=300"])
+    assert cfg.model.own == ToyConfig(vocab_size=300, d_model=32, d_ff=48, activation=Activation.RELU)
+    assert (cfg.model.vocab_size, cfg.model.seq_len) == (300, 16)  # the harness's keys, vocab_size shared
+    model = make_model(cfg)
+    assert isinstance(model, ToyModelWithOwnKeys) and (model.f, model.vocab) == (48, 300)
+    assert model.act is jax.nn.relu
+    section = to_dict(cfg)["model"]
+    assert section == {"impl": "helpers.toy_model:ToyModelWithOwnKeys", "vocab_size": 300, "seq_len": 16,
+                       "d_model": 32, "d_ff": 48, "activation": "relu"}  # fmt: skip
+    assert from_dict(to_dict(cfg)) == cfg
+    assert load_config(None, OWN).model.vocab_size == ToyConfig.vocab_size  # the class's default is the run's
+
+
+def test_jzero_train_gives_a_model_its_own_keys(tmp_path, capsys):
+    """`--set model.d_ff=48`, a key only the model declares, reaches it (its fc1 is [32, 48] in the checkpoint)
+    and the checkpoint's config holds it."""
+    over = [*OWN, "model.d_ff=48", "train.steps=2", "mesh.dp=8", f"checkpoint.dir={tmp_path / 'ck'}",
+            "checkpoint.async=false"]  # fmt: skip
+    assert main(["train", "--out", str(tmp_path / "out"), "--quiet", *sets(over)]) == 0
+    meta = read_meta(tmp_path / "ck", 2)
+    assert meta["arrays"]["params/fc1"]["shape"] == [D, 48]
+    assert meta["config"]["model"]["d_ff"] == 48 and "n_heads" not in meta["config"]["model"]
+    assert from_dict(meta["config"]).model.own.d_ff == 48
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.n_heads=4"], "unknown config key model.n_heads (known: activation, d_ff, d_model, impl, seq_len, "),
+        (["model.d_ff=wide"], "model.d_ff='wide' must be of type int"),
+        (["model.activation=tanh"], "model.activation='tanh' is not one of: gelu, relu"),
+        (["model.seq_len=0"], "model.seq_len=0 must be positive"),
+        (
+            ["model.impl=helpers.toy_model:ToyModelWithAMutableConfig"],
+            "its config_class <class 'helpers.toy_model.MutableConfig'> must be a frozen dataclass",
+        ),
+    ],
+)
+def test_a_bad_key_of_a_model_s_own_is_one_line(overrides, needle, tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path), "--quiet", *sets([*OWN, *overrides])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

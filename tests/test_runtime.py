@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jzero import runtime
+from jzero import imports, runtime
 from jzero.cli import main
 from jzero.config import Config, ConfigError, load_config, resolve_mesh
 from jzero.mesh import MeshConfig
@@ -99,7 +99,8 @@ def test_dp_follows_the_device_count_of_a_fresh_process(tmp_path):
 
 
 def test_start_jax_leaves_the_platform_to_jax_on_a_gpu_host(monkeypatch):
-    """With an NVIDIA device present, JAX picks the GPUs itself; only a host without one is pinned to cpu."""
+    """With an NVIDIA device present, JAX picks the GPUs itself; only a host without one is pinned to cpu
+    (`jzero.imports.default_platforms`, which also runs before a module the config names is imported)."""
     monkeypatch.delenv("JAX_PLATFORMS")
 
     class Host:
@@ -109,9 +110,9 @@ def test_start_jax_leaves_the_platform_to_jax_on_a_gpu_host(monkeypatch):
         def exists(self):
             return self.path == "/dev/nvidiactl"
 
-    monkeypatch.setattr(runtime, "Path", Host)
+    monkeypatch.setattr(imports, "Path", Host)
     runtime.start_jax(8)  # JAX has started in this process already: the device count stays
     assert "JAX_PLATFORMS" not in os.environ
-    monkeypatch.setattr(runtime.Path, "exists", lambda self: False)
+    monkeypatch.setattr(imports.Path, "exists", lambda self: False)
     runtime.start_jax(8)
     assert os.environ["JAX_PLATFORMS"] == "cpu"

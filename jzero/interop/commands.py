@@ -71,7 +71,7 @@ def add_parsers(ckpt_sub, with_config) -> None:
 
 
 def _check_megatron_gpt(cfg: Config) -> None:
-    if cfg.optimizer.name in (OptimizerName.SGD, OptimizerName.MUON):
+    if cfg.optimizer.name in (OptimizerName.SGD, OptimizerName.MUON, OptimizerName.OPTAX):
         raise ConfigError(
             f"optimizer.name={cfg.optimizer.name.value}: a Megatron distributed-optimizer checkpoint holds Adam's state"
         )

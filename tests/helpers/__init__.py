@@ -85,8 +85,9 @@ def flat_config(strategy, mesh=(8, 1, 1), microbatches=1, dp_outer=1, model=None
 
 def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
     """What a user writes in plain optax for `cfg`'s optimizer and param groups: optax's own
-    adamw / adam / sgd, one per group (its lr x lr_mult, its weight decay x wd_mult), by
-    `optax.multi_transform`. jzero's group-aware chain must train to the same numbers."""
+    adamw / adam / sgd, or for `optimizer.name: optax` the optax function of that name called with
+    the schedule and `optimizer.optax.args`, one per group (its lr x lr_mult, its weight decay x
+    wd_mult), by `optax.multi_transform`. jzero's group-aware chain must train to the same numbers."""
     o, lr = cfg.optimizer, lr_schedule(cfg)
     abstract = model.abstract_params()
     groups = param_groups(cfg, model, abstract)
@@ -99,6 +100,8 @@ def plain_optax(cfg: Config, model: GPTModel) -> optax.GradientTransformation:
             return optax.adamw(rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay * g.wd_mult)
         if o.name == OptimizerName.ADAM:
             return optax.adam(rate, b1=o.b1, b2=o.b2, eps=o.eps)
+        if o.name == OptimizerName.OPTAX:  # a bare name, optax's: optax.lion(rate, **args)
+            return getattr(optax, o.optax.name)(rate, **o.optax.args)
         return optax.sgd(rate, momentum=o.b1 or None)
 
     is_group = lambda g: isinstance(g, ParamGroup)  # noqa: E731

@@ -5,7 +5,13 @@ imports nothing from jzero: adding it to `jzero train`, `jzero hlo` and `jzero m
 
 Params (V vocab_size, D d_model, F d_ff; the MLP split over tp as Megatron's):
   emb[V, D]   fc1[D, F_tp]   fc2[F_tp, D]   bias[D]   head[D, V]
+
+`ToyModelWithOwnKeys` is the same model declaring its own `model:` keys (`config_class = ToyConfig`): the
+GPT's keys are refused for it, and it is built from a `ToyConfig`.
 """
+
+import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +25,7 @@ class ToyModel:
     def __init__(self, cfg, param_dtype=jnp.float32, seed: int = 0, dp_axes=()):  # no global statistics: dp_axes unused
         self.vocab, self.d, self.f = cfg.vocab_size, cfg.d_model, cfg.d_ff  # the GPT's other keys: ignored
         self.dtype, self.seed = jnp.dtype(param_dtype), seed
+        self.act = jax.nn.gelu
 
     def init(self):
         k = jax.random.split(jax.random.key(self.seed), 4)
@@ -37,7 +44,7 @@ class ToyModel:
     def loss_and_metrics(self, params, batch, tp_axis=None, ep_axis=None):
         """batch int32 [B, T + 1] -> (mean next-token cross-entropy, {"accuracy"})."""
         x = params["emb"][batch[:, :-1]]  # [B, T, D]
-        h = jax.nn.gelu(x @ params["fc1"]) @ params["fc2"]  # row-parallel: a partial sum per tp rank
+        h = self.act(x @ params["fc1"]) @ params["fc2"]  # row-parallel: a partial sum per tp rank
         if tp_axis is not None:
             h = jax.lax.psum(h, tp_axis)
         logits = ((x + h + params["bias"]) @ params["head"]).astype(jnp.float32)  # [B, T, V]
@@ -63,3 +70,39 @@ class ToyModelWithoutDpAxes(ToyModel):
 
     def __init__(self, cfg, param_dtype=jnp.float32, seed: int = 0):
         super().__init__(cfg, param_dtype, seed)
+
+
+class Activation(str, enum.Enum):
+    GELU = "gelu"
+    RELU = "relu"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """`ToyModelWithOwnKeys`'s `model:` keys beside the harness's `impl` and `seq_len`; `vocab_size` is the
+    harness's key too, its default here the run's."""
+
+    vocab_size: int = 256
+    d_model: int = 32
+    d_ff: int = 64
+    activation: Activation = Activation.GELU
+
+
+class ToyModelWithOwnKeys(ToyModel):
+    config_class = ToyConfig
+
+    def __init__(self, cfg: ToyConfig, param_dtype=jnp.float32, seed: int = 0, dp_axes=()):
+        assert isinstance(cfg, ToyConfig), cfg
+        super().__init__(cfg, param_dtype, seed)
+        self.act = getattr(jax.nn, cfg.activation.value)
+
+
+@dataclasses.dataclass
+class MutableConfig:
+    d_model: int = 32
+
+
+class ToyModelWithAMutableConfig(ToyModel):
+    """Declares keys in a dataclass that is not frozen: refused (a config is immutable and hashable)."""
+
+    config_class = MutableConfig
