@@ -259,7 +259,8 @@ def build_zero(
       unit_key: the flat path's name of a unit param's unit, from its key path (as
         `jax.tree_util.tree_flatten_with_path` gives it); it lays out one set of buffers per unit,
         and a `unit` call must get all of a unit's params. Default `flat/plan.unit_key`: the path up
-        to its first integer key (`blocks/3`), or its first key (`blocks`, a scanned stack). Pass one
+        to its first integer key (`blocks/3`), else to its first Linen-numbered key (`params/blocks_3`,
+        `params/Block_3`), else its first key (`blocks`, a scanned stack; never Flax's `params` alone). Pass one
         where the blocks are not a list or stack of their own (`{"enc": {"a": block, "b": block}}`,
         params in a top-level tuple), e.g. `lambda path: jax.tree_util.keystr(path[:2])`.
       groups: per param a `groups.ParamGroup` (e.g. from `groups.param_groups`), or None.

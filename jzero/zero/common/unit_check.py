@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.extend.core import Var, jaxprs_in_params
 
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, one_line
 from jzero.zero.common.strategies import path_name
 from jzero.zero.common.units import GroupParam, UnitParam, carries, claimed, is_unit_leaf, one_loss, replaced
 
@@ -29,7 +29,9 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
     the result still needs; a ConfigError (a ValueError: `jzero train` prints it as one line) names the
     first unit param it needs. Nothing to check without units. A primitive whose dead-code elimination
     keeps every input (a `custom_vjp` or `optimization_barrier` the loss passes unit params through)
-    counts as a read.
+    counts as a read. A loss that passes no unit param to `unit` at all (`units=` given, `unit` never
+    called) is refused by one ConfigError that says so, whether the model then reads them or fails on
+    them in its own words (a Flax module's shape check, a `jnp` op on a unit leaf).
 
     Returns the unit params (by their path in `view`) with a carry or extraction (`carries`) whose
     first calls (those that keep them: `_first_calls`) would not run exactly once per step (`_claims`):
@@ -53,14 +55,17 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
         return frozenset()
     probing = jax.tree.map(lambda x: replaced(x, {"probe": True}), view, is_leaf=is_unit_leaf)
     arrays, treedef = jax.tree.flatten(probing)
-
-    def probe(arrays):
-        with one_loss():
-            return loss(treedef.unflatten(arrays))
-
-    jaxpr = jax.make_jaxpr(probe)(arrays).jaxpr
+    try:
+        with one_loss() as called:
+            jaxpr = jax.make_jaxpr(lambda arrays: loss(treedef.unflatten(arrays)))(arrays).jaxpr
+    except Exception as e:  # a model reading its unit params as arrays fails in its own words: say why
+        if not called:
+            raise _never_called(owners, e) from e
+        raise
     _, _, used = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars))
     read = [name for name, use in zip(owners, used) if name and use]
+    if read and not called:
+        raise _never_called(owners)
     if read:
         raise ConfigError(
             f"jzero.zero.unit: the loss reads unit param {read[0]!r} outside `unit` (a penalty over all "
@@ -82,6 +87,18 @@ def check_loss(loss: Callable[[PyTree], Any], view: PyTree) -> frozenset[str]:
             stacklevel=2,
         )
     return outside
+
+
+def _never_called(owners: list, error: Exception | None = None) -> ConfigError:
+    """The error for a loss that passes no unit param to `unit`, with the model's own `error` if it failed."""
+    marked = sorted({name for name in owners if name})
+    failed = "" if error is None else f" (the loss failed with {one_line(error)})"
+    return ConfigError(
+        f"build_zero(units=...) puts params in FSDP units ({', '.join(marked[:2])}"
+        f"{', ...' if len(marked) > 2 else ''}) but the loss passed none of them to a unit call: in a ZeRO step a "
+        "unit's params exist only inside `jzero.zero.unit(fn, block_params, x)`, which runs fn(block_params, x) on "
+        f"them; run each block through it (a Flax model: jzero.interop.flax, docs/flax.md) or leave units= out{failed}"
+    )
 
 
 # What takes a stacked param's layer slice in a loop body (`p[i]`, `jnp.take`): each iteration another value.

@@ -319,7 +319,8 @@ def materialize_all(tree: PyTree, which: Callable[[Any], bool] = lambda hook: Tr
         if isinstance(x, (GroupParam, GroupRef)) and x.key not in known:
             raise ConfigError(
                 f"jzero.zero.unit: got part of the params of unit {x.key!r} (the flat path names a unit param's unit "
-                "by build_zero's unit_key, by default its path up to its first integer key, else its first key); "
+                "by build_zero's unit_key, by default its path up to its first integer key or Linen-numbered name "
+                "(blocks/3, params/blocks_3), else its first key); "
                 "pass all of the unit's params to one unit call, or a unit_key that names each unit call's params"
             )
         if isinstance(x, GroupParam):
@@ -347,7 +348,7 @@ _CALLED: contextvars.ContextVar[dict[int, tuple[jax.Array, list]] | None] = cont
 
 
 @contextlib.contextmanager
-def one_loss() -> Iterator[None]:
+def one_loss() -> Iterator[dict]:
     """The scope of one micro-batch's loss in a ZeRO step (both paths trace the loss inside it): a unit
     whose params reach `unit` again in the same trace (a block run twice by the loss, or by one scan
     body: its weights shared) adds the earlier micro-batches' grads (`UnitParam.acc`) and hands its
@@ -355,10 +356,11 @@ def one_loss() -> Iterator[None]:
     the param's grad once and the param once. Calls in different traces (the two branches of a `cond`,
     a body jax traces twice) each keep theirs: one of them runs. Where that is not so (a loop body that
     runs the first call once per iteration, say), `check_loss` finds it and `micro_batch_loss` adds
-    them instead."""
-    token = _CALLED.set({})
+    them instead. Yields the unit leaves `unit` calls get in it, by id (`_CALLED`): empty if none."""
+    called: dict = {}
+    token = _CALLED.set(called)
     try:
-        yield
+        yield called
     finally:
         _CALLED.reset(token)
 

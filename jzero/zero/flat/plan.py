@@ -35,6 +35,7 @@ Global arrays (S_b = padded size of bucket b):
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -251,19 +252,24 @@ def _local_shape(shape: tuple[int, ...], spec: P, mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
+FLAX_COLLECTION = "params"  # Linen's `{"params": ...}`: a key above every param, never one block's
+_NUMBERED = re.compile(r".+_\d+")  # Linen's name of item i of a list attribute (`blocks_3`), or of its i-th
+# unnamed submodule of a class (`Block_3`)
+
+
 def unit_key(path: tuple) -> str:
     """The FSDP unit a unit param belongs to on the flat path: its key path up to its first integer
-    key (`blocks/3` for every param of the fourth block), or its first key when it has none (`blocks`
-    for a scanned stack). A `unit` call that receives part of a unit's params fails at trace time."""
-    keys = []
-    for k in path:
-        keys.append(k)
-        index = getattr(k, "idx", getattr(k, "key", None))
-        if isinstance(index, int) and not isinstance(index, bool):
-            break
-    else:
-        keys = list(path[:1])
-    return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
+    key (`blocks/3` for every param of the fourth block: a list, an NNX `nnx.List`), else up to its first
+    key Linen numbered (`params/blocks_3`, `params/decoder/Block_3`), else its first key (`blocks` for a
+    scanned stack). A leading `params` (Linen's `{"params": ...}`) stays in the name but never names a
+    unit alone (`params/blocks`). A `unit` call that receives part of a unit's params fails at trace
+    time; a tree these do not name apart needs `build_zero(..., unit_key=)`."""
+    keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
+    skip = int(len(keys) > 1 and keys[0] == FLAX_COLLECTION)
+    ints = [i for i, k in enumerate(keys) if isinstance(k, int) and not isinstance(k, bool)]
+    numbered = [i for i, k in enumerate(keys) if i >= skip and isinstance(k, str) and _NUMBERED.fullmatch(k)]
+    end = (ints or numbered or [skip])[0]
+    return jax.tree_util.keystr(tuple(path[: end + 1]), simple=True, separator="/")
 
 
 def group_keys(plan: ShardingPlan, per_unit: bool, key_of: Callable[[tuple], str] | None = None) -> list[str]:

@@ -48,3 +48,18 @@ def test_a_first_call_in_a_loop_over_a_closed_over_block_is_named():
 
     with pytest.warns(UserWarning, match="block/w"):
         assert check_loss(loss, _view(acc=jnp.zeros((4,)))) == frozenset({"block/w"})
+
+
+@pytest.mark.parametrize("reads", ["as-arrays", "its-leaves"])
+def test_a_loss_that_never_calls_unit_is_refused_naming_units_and_unit(reads):
+    """`units=` given and `unit` never called: the model fails on the unit leaves in its own words (a `jnp` op
+    on a `UnitParam`, Flax's shape check), or reads their arrays; either way one ConfigError says what to do."""
+
+    def loss(view):
+        w = view["block"]["w"] if reads == "as-arrays" else view["block"]["w"].value
+        return (jnp.asarray(w) * view["x"]).sum()
+
+    with pytest.raises(ConfigError, match=r"units=.*block/w.*none of them to a unit call.*jzero\.zero\.unit\(fn, "
+                                          r"block_params, x\)") as caught:  # fmt: skip
+        check_loss(loss, _view())
+    assert ("the loss failed with TypeError" in str(caught.value)) == (reads == "as-arrays")

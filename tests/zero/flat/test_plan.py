@@ -16,7 +16,7 @@ from jzero.train.loop import setup
 from jzero.zero.common.strategies import make_plan
 from jzero.zero.config import ShardingStrategy
 from jzero.zero.flat.buffers import build_layout
-from jzero.zero.flat.plan import REST, make_flat_plan
+from jzero.zero.flat.plan import REST, make_flat_plan, unit_key
 
 LEAVES = ["bias", "s", "v", "w"]  # jax's order of the model's dict
 SCAN = {"scan_layers": True, "remat": True}
@@ -102,3 +102,23 @@ def test_a_scanned_stacks_buckets_are_stacked_per_layer():
     assert [x.shape for x in state.params] == fp.bucket_shapes()
     moments = jax.tree_util.tree_flatten_with_path(state.opt_state.inner_state)[0]
     assert {x.shape == fp.bucket_shapes()[path[-1].idx] for path, x in moments if x.ndim} == {True}
+
+
+def test_unit_key_names_one_unit_per_block_of_a_list_a_stack_and_flax_trees():
+    """A unit param's unit: up to its first integer key (jzero's GPT, NNX's `nnx.List` as a pure dict), else up
+    to its first key Linen numbered (a list attribute's `blocks_3`, a compact module's `Block_3`), else its first
+    key (a scanned stack); Linen's leading `params` never names a unit alone."""
+
+    def key(*names):
+        return unit_key(tuple(jax.tree_util.DictKey(n) for n in names))
+
+    assert key("blocks", 3, "attn", "qkv", "kernel") == "blocks/3"  # GPT; NNX's {"blocks": {3: ...}}
+    in_a_list = (jax.tree_util.DictKey("blocks"), jax.tree_util.SequenceKey(1), jax.tree_util.DictKey("w"))
+    assert unit_key(in_a_list) == "blocks/1"
+    assert key("blocks", "mlp", "fc1", "kernel") == "blocks"  # a scanned stack [L, ...]
+    assert key("stage_0", "blocks", 2, "w") == "stage_0/blocks/2"  # an integer key first
+    assert key("params", "blocks_3", "attn", "out", "kernel") == "params/blocks_3"
+    assert key("params", "Block_3", "Dense_0", "kernel") == "params/Block_3"
+    assert key("params", "decoder", "layers_1", "mlp", "kernel") == "params/decoder/layers_1"
+    assert key("params", "blocks", "fc1", "kernel") == "params/blocks"  # nn.scan's stack
+    assert key("enc", "a", "w") == "enc"  # blocks under string keys need unit_key= (tests/zero/test_fsdp.py)
