@@ -57,6 +57,7 @@ def test_a_function_that_returns_no_transformation_is_one_line():
         inner_optimizer(cfg)
 
 
+@pytest.mark.slow
 def test_an_optax_optimizer_by_name_trains_as_plain_optax_on_one_device():
     """jzero's step on one device (its Megatron clipping, the schedule, the lr_mult scaling after lion) against
     optax.lion(schedule, **args) in a plain loop (`helpers.plain_optax`), losses, grad norms and params."""

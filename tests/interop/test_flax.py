@@ -120,7 +120,8 @@ def test_the_docs_linen_run_matches_plain_optax():
 @pytest.mark.parametrize(
     "model, path, strategy, dp, tp",
     [
-        pytest.param("nnx", "flat", "optim_grads_params", 4, 2, id="nnx-flat-zero3-dp4-tp2"),  # tp-local NNX module
+        pytest.param("nnx", "flat", "optim_grads_params", 4, 2, id="nnx-flat-zero3-dp4-tp2",
+                     marks=pytest.mark.slow),  # tp-local NNX module
         pytest.param("linen", "spec", "optim_grads_params", 4, 2, id="linen-spec-zero3-dp4-tp2",
                      marks=pytest.mark.slow),  # global params: row_parallel a no-op, no tp_axis
         pytest.param("nnx", "spec", "optim_grads", 4, 2, id="nnx-spec-zero2-dp4-tp2", marks=pytest.mark.slow),

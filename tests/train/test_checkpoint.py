@@ -88,6 +88,7 @@ def test_exact_resume_is_bitwise_and_continues_the_metrics(base, tmp_path):
 SPIKY = sets(train__grad_norm_spike_factor=1.02, train__grad_norm_spike_window=2)  # the tiny GPT's norms wobble by more
 
 
+@pytest.mark.slow
 def test_the_spike_guards_skips_show_in_the_metrics_and_resume_bitwise(tmp_path):
     """Steps whose grad norm spikes are skipped (metrics spike_skipped, the learning rate held, the summary's
     list); resumed from step 3, steps 4-6 are bitwise the uninterrupted run's, skips included: the history
