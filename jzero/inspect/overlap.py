@@ -15,7 +15,8 @@ is not in its computation, as a pipelined collective's, overlaps the rest of it.
 
 Compute is counted in **flops of dots and convolutions**: a dot is 2 x (result elements) x
 (product of the lhs contracting dims), a convolution 2 x (result elements) x (kernel
-elements / output features), a cuBLAS GEMM custom call like a dot; fusions and called
+elements / output features), a cuBLAS GEMM custom call like a dot, cuDNN's fused attention
+(`model.attention: cudnn`) as the batched matmuls it runs (`_attention_flops`); fusions and called
 computations count what they contain, a `while` its body x its trip count (XLA's
 `known_trip_count`; where XLA dropped it, as it does for a loop it peeled, the count of a loop
 `i < N` whose counter starts from a constant, as JAX's scans count; else 1, and said), a
@@ -48,12 +49,34 @@ def _own_flops(i: Instr, m: Module) -> float:
         lhs = dims(m.shape(i.operands[0]))
         k = math.prod(lhs[d] for d in ints(contracting.group(1))) if contracting and lhs else 1
         return 2.0 * math.prod(dims(i.result)) * k
+    if i.opcode == "custom-call" and re.search(r'custom_call_target="__cudnn\$fmha', i.attrs):
+        return _attention_flops(i, m)
     labels = re.search(r"dim_labels=\w+_(\w+)->", i.attrs)
     if labels and (i.opcode == "convolution" or i.opcode == "custom-call"):
         kernel = dims(m.shape(i.operands[1]))
         out_features = kernel[labels.group(1).index("o")] if kernel else 1
         return 2.0 * math.prod(dims(i.result)) * math.prod(kernel) / max(out_features, 1)
     return 0.0
+
+
+def _attention_flops(i: Instr, m: Module) -> float:
+    """Flops of cuDNN's fused attention (a `__cudnn$fmha*` custom call): its batched matmuls, each 2 x the
+    scores' elements [B, H, Tq, Tk] x the head dim K (Q's elements / (B H Tq)): 2 forward (Q K^T, P V),
+    4 backward (dV, dP, dQ, dK) and in the flash kernel a fifth, the scores again; under a causal mask
+    half of it (the kernel skips the masked tiles). 0 where the backend config does not give the scores'
+    shape."""
+    scores = re.search(r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[([^\]]*)\]',
+                       i.attrs)  # fmt: skip
+    q = dims(m.shape(i.operands[0])) if i.operands else ()
+    shape = ints(scores.group(1)) if scores else []
+    if len(shape) != 4 or not q or math.prod(q) % math.prod(shape[:3]):
+        return 0.0
+    head_dim = math.prod(q) // math.prod(shape[:3])
+    backward = re.search(r'custom_call_target="__cudnn\$fmha\w*Backward"', i.attrs) is not None
+    flash = re.search(r'"is_flash_attention":\s*true', i.attrs) is not None
+    matmuls = (5 if flash else 4) if backward else 2
+    causal = 0.5 if re.search(r'"mask_type":\s*"\w*CAUSAL"', i.attrs) else 1.0
+    return 2.0 * matmuls * math.prod(shape) * head_dim * causal
 
 
 class Flops:

@@ -215,10 +215,30 @@ def _origin(m: Module, name: str, index: tuple[int, ...], seen: frozenset = froz
     return i
 
 
+def _sliced(m: Module, i: Instr) -> Instr | None:
+    """What `i` slices: a `slice`'s operand, or that of a fusion whose root slices one of its parameters
+    (XLA:GPU's `wrapped_slice`, as it cuts a combined all-reduce's flat result into its grads); None for
+    anything else."""
+    if i.opcode == "slice" and i.operands:
+        return m.instr.get(i.operands[0])
+    root = m.root(i.called[0]) if i.opcode == "fusion" and i.called else None
+    param = m.instr.get(root.operands[0]) if root is not None and root.opcode == "slice" and root.operands else None
+    if param is None or param.opcode != "parameter" or not param.operands[0].isdigit():
+        return None
+    k = int(param.operands[0])
+    return m.instr.get(i.operands[k]) if k < len(i.operands) else None
+
+
 def _is_reduction(m: Module, i: Instr | None) -> bool:
-    """`i` is an all-reduce or reduce-scatter (sync, -start/-done, or an async wrapper's start/done)."""
-    while i is not None and i.opcode in ("async-done", "async-update") and i.operands:
-        i = m.instr.get(i.operands[0])
+    """`i` is an all-reduce or reduce-scatter (sync, -start/-done, or an async wrapper's start/done), or a
+    slice of one's result (`_sliced`)."""
+    while i is not None:
+        if i.opcode in ("async-done", "async-update") and i.operands:
+            i = m.instr.get(i.operands[0])
+        elif (whole := _sliced(m, i)) is not None:
+            i = whole
+        else:
+            break
     if i is None:
         return False
     if i.opcode == "async-start":

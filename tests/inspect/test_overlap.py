@@ -108,6 +108,32 @@ backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_nu
     assert overlap.read_schedule(text).step_flops == 2 * 64 * 16 * 32
 
 
+@pytest.mark.parametrize("mask, half", [("CAUSAL", 0.5), ("NO_MASK", 1.0)])
+def test_cudnn_attention_counts_its_matmuls(mask, half):
+    """cuDNN's fused attention (XLA:GPU's form for `model.attention: cudnn`): 2 batched matmuls forward and 5
+    backward (the flash kernel computes the scores again), each 2 x [B, H, T, T] x the head dim; half under a
+    causal mask."""
+    config = ('backend_config={"operation_queue_id":"0","cudnn_fmha_backend_config":{"fmha_scale":0.25,'
+              '"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["1","2","64","64"],'
+              f'"tuple_shapes":[]}},"is_flash_attention":true,"mask_type":"{mask}"}}}}')  # fmt: skip
+    q = "bf16[1,64,2,16]{3,2,1,0}"  # [B, T, H, K]
+    text = f"""HloModule m, is_scheduled=true
+
+ENTRY %e (q: bf16[1,64,2,16], s: f32[1,2,64]) -> bf16[1,64,2,16] {{
+  %q = {q} parameter(0)
+  %s = f32[1,2,64]{{2,1,0}} parameter(1)
+  %fwd = ({q}, f32[1,2,64]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", \
+{config}
+  %o = {q} get-tuple-element(%fwd), index=0
+  %bwd = ({q}, {q}, {q}, u8[0]{{0}}) custom-call(%q, %q, %q, %s, %o, %o), \
+custom_call_target="__cudnn$fmhaSoftmaxBackward", {config}
+  ROOT %dq = {q} get-tuple-element(%bwd), index=0
+}}
+"""
+    scores_by_head_dim = 2 * 64 * 64 * 16
+    assert overlap.read_schedule(text).step_flops == (2 + 5) * 2 * scores_by_head_dim * half
+
+
 # --------------------------------------------------------------------------- overlap
 
 

@@ -49,6 +49,37 @@ def test_peak_holds_the_all_reduced_grad():
     assert p.by_category()["reduced_grads"] == D * D * 4
 
 
+@needs_gpu_plugin
+def test_peak_reads_a_combined_all_reduce_s_slices_as_reduced_grads():
+    """XLA:GPU all-reduces a layer's grads in one combined collective (the spec path's DDP,
+    `compiler.COMBINE["all_reduces"]`) and cuts its flat result into the grads with slices: the stacked
+    grads a layer loop writes them into are reduced grads."""
+    from jax.sharding import PartitionSpec as P
+
+    from helpers.programs import sds
+    from jzero.zero.common.compiler import COMBINE
+
+    mesh, layers = h100_mesh(), 3
+
+    def body(w1s, w2s, x):
+        def layer(h, ws):
+            def loss(w1, w2):
+                return jnp.sum(jnp.tanh(jnp.tanh(h @ w1) @ w2) ** 2)
+
+            g = jax.grad(loss, argnums=(0, 1))(*(jax.lax.pcast(w, "dp", to="varying") for w in ws))
+            return jnp.tanh(h @ ws[0]), jax.lax.psum(g, "dp")
+
+        _, (g1s, g2s) = jax.lax.scan(layer, x, (w1s, w2s))
+        return jnp.sum(g1s * g2s)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("dp")), out_specs=P("dp")),
+                compiler_options=COMBINE["all_reduces"])  # fmt: skip
+    stacked = sds((layers, D, D), mesh, P())
+    p = _peak(f.lower(stacked, stacked, sds((64, D), mesh, P("dp"))), param_shapes={(D, D)}, seq_len=0,
+              attention_elements=1)  # fmt: skip
+    assert p.by_category()["reduced_grads"] == 2 * layers * D * D * 4
+
+
 def test_peak_attention_scores_saved_for_backward():
     h, t, k, d = 8, 256, 32, 64
 

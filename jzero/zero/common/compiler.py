@@ -26,9 +26,15 @@ the flat path's one bucket per unit is, and the gathers under ZeRO-3 to 256 MiB,
 gathers so that its QKV gather finds no matmul beside it; 512 MiB and 1 GiB left 4.1% and 5.0% on
 0.10.2 (a layer's first matmul waits for a larger gather). Combining the other kind too measured worse
 (ZeRO-3's reduce-scatters as well, at 1 GiB: 6.3%; ZeRO-1/2's gathers are the forward's, already
-overlapped: 7.1%). ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute
-carries no optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its
-micro-batch loop is kept whole by one (`schedule._accumulate`).
+overlapped: 7.1%). DDP's all-reduces are combined up to 1 GiB, a layer's in one: XLA peels the
+backward's first layer out of the loop and leaves the last one's pipelined all-reduces after it, and
+those layers' per-param all-reduces found no matmul beside them (LLaMA-2-7B cut to 8 layers on 8 x
+H100, exposed DP wire 29.5% -> 13.9% at one micro-batch and 19.9% -> 13.9% at 8, the flat path's;
+`jzero hlo`'s exposed time 13.6 -> 11.5 ms at one, 10.7 -> 13.5 ms at 8; temp 8.86 -> 9.58 GiB at
+one, a layer's fp32 grads in one buffer, 19.56 -> 19.67 GiB at 8; 512 MiB changed nothing).
+ZeRO-3's backward gathers reach the pipeliner only when the unit's recompute carries no
+optimization barrier (`units.unit(..., prevent_cse=False)` in a scan body); its micro-batch loop is
+kept whole by one (`schedule._accumulate`).
 
 Under HSDP (`mesh.dp_outer > 1`) the grads are all-reduced across dp_outer alone, between hosts,
 after the reduce-scatter inside (`zero.outer_strategy: no_shard`; the spec path's DDP too, whose
@@ -36,7 +42,7 @@ chain of three, reduce-scatter inside, all-reduce across, all-gather inside, is
 `units.Hook.regather`). XLA's pipeliner moving that all-reduce into the next layer's iteration left
 more of the step waiting on the network, not less, so under HSDP the all-reduces are not pipelined
 and the loop is not double buffered; on the spec path, where each grad has collectives of its own,
-the all-reduces are combined up to 1 GiB (`COMBINE["across"]`; DDP's reduce-scatters and
+the all-reduces are combined up to 1 GiB (`COMBINE["all_reduces"]`; DDP's reduce-scatters and
 all-gathers too, `COMBINE["hierarchical"]`), at about the same temp peak. LLaMA-2-7B on 2 hosts x 8
 H100s, dp_outer 2 x dp 8, `jzero hlo`'s exposed comm per step, with one host's options -> neither
 pipelined all-reduces nor double buffering -> the all-reduces combined too: ZeRO-1/2 56 -> 15.5 ->
@@ -45,8 +51,9 @@ pipelined all-reduces nor double buffering -> the all-reduces combined too: ZeRO
 under DDP): 32.4 ms with one host's options, 22.2 with its three collectives combined, 15.3 now.
 Under `outer_strategy: optim` (reduce-scatters across dp_outer) the pipelining changes little
 (ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay where they span the whole
-DP domain: DDP on one host (the 8-layer 7B on 8 H100s: 14.0 ms exposed, 16.8 without) and the flat
-path's DDP under HSDP, Megatron's one all-reduce per bucket (244 ms with, 282 without).
+DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
+exposed, 29.3 without, all of it) and the flat path's DDP under HSDP, Megatron's one all-reduce per
+bucket (244 ms with, 282 without).
 experiments/collectives/README.md, "HSDP", has the tables.
 
 They are set only for GPU meshes (the CPU program stays as it was) and only with
@@ -81,10 +88,10 @@ PIPELINER_SPELLINGS = (
 COMBINE = {
     "gathers": {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 28},  # ZeRO-3
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
-    "across": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # HSDP: the all-reduces across dp_outer
+    "all_reduces": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # DDP; HSDP: those across dp_outer
 }
 COMBINE["hierarchical"] = {  # DDP under HSDP: its reduce-scatter, all-reduce and all-gather per grad
-    **COMBINE["reductions"], **COMBINE["across"], "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30
+    **COMBINE["reductions"], **COMBINE["all_reduces"], "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30
 }
 
 
@@ -120,7 +127,8 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
     pipeline = {k: v for k, v in pipeline_options(device).items() if not (across and k.endswith("all_reduce"))}
     options = {**pipeline, "xla_gpu_enable_while_loop_double_buffering": microbatches == 1 and not across}
     if config.path == ZeroPath.SPEC and stage.shards_state:
-        options |= COMBINE["gathers" if stage.shards_params else "reductions"] | (COMBINE["across"] if hsdp else {})
-    elif config.path == ZeroPath.SPEC and hsdp:  # DDP under HSDP
-        options |= COMBINE["hierarchical"]
+        combine = COMBINE["gathers" if stage.shards_params else "reductions"]
+        options |= combine | (COMBINE["all_reduces"] if hsdp else {})
+    elif config.path == ZeroPath.SPEC:  # DDP
+        options |= COMBINE["hierarchical" if hsdp else "all_reduces"]
     return options

@@ -67,12 +67,12 @@ def test_gpu_mesh_pipelines_collectives_with_overlap(overlap, microbatches):
 @pytest.mark.parametrize("path", ["spec", "flat"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_the_spec_path_combines_a_layers_collectives(strategy, path):
-    """The spec path raises the combiner of the kind that queues: reductions under ZeRO-1/2, gathers under
-    ZeRO-3; DDP and the flat path (one bucket per unit) keep XLA's."""
+    """The spec path raises the combiner of the kind that queues: all-reduces under DDP, reductions under
+    ZeRO-1/2, gathers under ZeRO-3; the flat path (one bucket per unit) keeps XLA's."""
     mesh = gpu_mesh("h100", "1 x 1 x 8", (8,), ("dp",))
     options = step_compiler_options(mesh, ZeroConfig(strategy=strategy, path=path), 1)
-    want = {} if path == "flat" or strategy == "no_shard" else COMBINE[
-        "gathers" if strategy == "optim_grads_params" else "reductions"]  # fmt: skip
+    kind = {"no_shard": "all_reduces", "optim_grads_params": "gathers"}.get(strategy, "reductions")
+    want = {} if path == "flat" else COMBINE[kind]
     assert options == {**pipeline_options(mesh.devices.flat[0]), **want,
                        "xla_gpu_enable_while_loop_double_buffering": True}  # fmt: skip
 
@@ -92,7 +92,7 @@ def test_hsdp_pipelines_no_all_reduce(strategy, path):
     if path == "flat" and strategy == "no_shard":
         assert options == {**pipeline, "xla_gpu_enable_while_loop_double_buffering": True}
         return
-    spec = COMBINE["hierarchical"] if strategy == "no_shard" else COMBINE["reductions"] | COMBINE["across"]
+    spec = COMBINE["hierarchical"] if strategy == "no_shard" else COMBINE["reductions"] | COMBINE["all_reduces"]
     combine = {} if path == "flat" else spec
     assert options == {**{k: v for k, v in pipeline.items() if not k.endswith("all_reduce")}, **combine,
                        "xla_gpu_enable_while_loop_double_buffering": False}  # fmt: skip
