@@ -46,7 +46,16 @@ from jzero.runtime import start_jax
 from jzero.train import loop
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("jzero-spec", "jzero-flat", "hand-constraints", "hand-shard_map")
+# jzero's impls: the config overrides that make each (the defaults overlap: per-unit buckets, and ZeRO-1/2's
+# params resting sharded, gathered in the forward; "no-overlap" is one whole-model bucket reduced after the
+# backward and the params gathered whole after the update, as Megatron without --overlap-grad-reduce).
+JZERO_IMPLS = {
+    "jzero-spec": ["zero.path=spec"],
+    "jzero-spec-no-overlap": ["zero.path=spec", "zero.overlap_grad_reduce=false"],
+    "jzero-flat": ["zero.path=flat"],
+    "jzero-flat-no-overlap": ["zero.path=flat", "zero.overlap_grad_reduce=false"],
+}
+IMPLS = (*JZERO_IMPLS, "hand-constraints", "hand-shard_map")
 GPU_IMPLS = ("jzero-spec", "jzero-flat", "plain-optax")
 STAGES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
 HAND_STAGES = {
@@ -419,8 +428,7 @@ def hand_loss(loss_fn, dtype: str):
 def build(impl: str, strategy: str, overrides, devices, base, tx, init_params, hand_batch, dtype: str):
     """(step, initial state, batch, run) of one config; run is jzero's `loop.Run` (None by hand)."""
     if impl.startswith("jzero"):
-        path = impl.split("-")[1]
-        cfg = load_config(None, [*overrides, f"zero.strategy={strategy}", f"zero.path={path}"])
+        cfg = load_config(None, [*overrides, f"zero.strategy={strategy}", *JZERO_IMPLS[impl]])
         run = loop.setup(cfg, devices, with_data=False)
         return run.zero.step, run.init_state(), base.device_batch(0), run
     loss_fn = hand_loss(base.model.loss, dtype)
@@ -444,7 +452,7 @@ def bench_model(model: str, args, devices) -> dict:
     hand_batch = jax.device_put(base.device_batch(0), NamedSharding(mesh, P("dp")))
     impls = GPU_IMPLS if args.backend == "gpu" else IMPLS
     todo = [("jzero-spec", "no_shard")]  # first: its first step is every check's reference
-    todo += [(i, s) for i in ("jzero-spec", "jzero-flat") for s in STAGES if s in args.stages and (i, s) != todo[0]]
+    todo += [(i, s) for i in JZERO_IMPLS if i in impls for s in STAGES if s in args.stages and (i, s) != todo[0]]
     todo += [(impl, s) for impl, stages in HAND_STAGES.items() if impl in impls for s in stages if s in args.stages]
     configs, ref = [], None  # jzero-spec DDP comes first: its first step is the reference of every check
     for impl, strategy in todo:
