@@ -125,7 +125,7 @@ def _dp_gathers(run, state) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
-@pytest.mark.matrix
+@pytest.mark.slow  # 15-20 s a case at XLA's default code generation (the fast subset's bound)
 @pytest.mark.default_codegen  # the formula bitwise: under the suite's faster code generation one int8 code differed
 def test_model_copy_is_the_blockwise_quantized_main_params(dtype):
     """fp32 params (jzero then keeps fp32 main params beside the quantized copy), three buckets, dp=8."""
