@@ -37,9 +37,10 @@ from flax import nnx
 
 from jzero.errors import ConfigError
 from jzero.zero import unit
+from jzero.zero.flat.plan import FLAX_COLLECTION
 
 PyTree = Any
-COLLECTION = "params"  # Linen's collection of trainable params: `variables["params"]`
+COLLECTION = FLAX_COLLECTION  # Linen's trainable params, `variables["params"]`: one name with flat/plan.py
 
 
 def _selects(name, names: tuple[str, ...]) -> bool:
