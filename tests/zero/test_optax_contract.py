@@ -174,6 +174,36 @@ def test_flat_path_refuses_the_rest_naming_it(name):
     assert named[name] in msg
 
 
+HIDDEN = {  # not element-wise, and the old probe's two steps could not tell: they trained wrong on flat and owned
+    # the masked decay acts every 4th step only (before, each step's update was zero: 0 x the inner's)
+    "multi_steps_masked": lambda: optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.5, mask=decay_mask), 4),
+    "apply_every_masked": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(0.5), decay_mask), optax.sgd(1e-2), optax.apply_every(3)
+    ),
+    # its learning-rate estimate, a statistic over every param kept in the state, acts from the third step on
+    "dadapt_adamw": lambda: optax.contrib.dadapt_adamw(1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(HIDDEN))
+def test_chains_whose_difference_shows_after_two_steps_are_refused(name):
+    """The probe runs a MultiSteps or apply_every chain for 64 steps, and compares the state's scalars
+    (the owned path's: tests/zero/owned/test_layout.py)."""
+    with pytest.raises(ConfigError) as e:
+        run_jzero(HIDDEN[name](), ShardingStrategy.OPTIM, ZeroPath.FLAT)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "zero.path=flat" in msg and "zero.path=spec" in msg
+    if name == "multi_steps_masked":
+        assert "MultiSteps is not: on flat buffer shards its update differs" in msg
+    if name == "dadapt_adamw":
+        assert "a scalar of" in msg and "state differs" in msg
+
+
+def test_a_multi_steps_chain_that_emits_nothing_in_the_probe_is_refused():
+    with pytest.raises(ConfigError, match=r"^zero.path=flat cannot check MultiSteps: it updated no param in 64 steps"):
+        run_jzero(optax.MultiSteps(optax.adam(1e-2), 100), ShardingStrategy.OPTIM, ZeroPath.FLAT)
+
+
 def test_factored_state_gets_shardings_of_its_own():
     """adafactor's v_row [128] and v_col [136] of the [128, 136] leaf: sharded over DP where 8 divides."""
     z, state = run_jzero(optax.adafactor(1e-2), ShardingStrategy.OPTIM, ZeroPath.SPEC, mesh=(8, 1))

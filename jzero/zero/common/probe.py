@@ -14,7 +14,11 @@ largest dims are halved until it fits), so a chain that decides by a param's ran
 `p.ndim`) decides on the miniature as on the params; one that decides by size beyond that is caught
 by comparing its update program on the two shapes (`_decides_by_size`). Its grads probe what a chain may
 do across elements: the first step's are scaled by `LARGE_GRADS` (any clip threshold below is
-crossed), the second carries one NaN (a skip of non-finite updates acts on the whole tree).
+crossed), the second carries one NaN (a skip of non-finite updates acts on the whole tree). Besides the
+updates, the scalars of the state the steps leave must agree: a statistic over the whole tree kept in the
+state (D-Adaptation's learning-rate estimate, used from the third step on) differs on a slice. A chain
+holding `optax.MultiSteps` or `optax.apply_every` emits an update only every k-th step and zeros in between,
+so its probe runs `MULTI_STEPS_PROBE` steps (a scan), and one that emits none in them is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
 MINIATURE_ELEMENTS = 64
 LARGE_GRADS = 1e8
+PROBE_STEPS = 2
+MULTI_STEPS_PROBE = 64  # a chain with optax.MultiSteps: k <= 32 shows two emitted updates
 # check_per_tensor: a param stepped alone is a different XLA program (Newton-Schulz's matmuls fuse and sum
 # in another order: 1e-6 relative, measured on Muon); a chain coupling params differs by O(1) there (the
 # first step's grads are LARGE_GRADS: any clip crosses its threshold).
@@ -83,8 +89,8 @@ def _miniature_shape(shape: tuple[int, ...]) -> list[int]:
     return dims
 
 
-def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
-    """(params, two steps of grads): random fp32 arrays of each param's miniature shape; the first
+def _miniature(plan: ShardingPlan, steps: int = PROBE_STEPS, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
+    """(params, `steps` steps of grads): random fp32 arrays of each param's miniature shape; the first
     step's grads times LARGE_GRADS, the second's with a NaN in the first element of the largest param."""
     rng = np.random.default_rng(seed)
 
@@ -92,9 +98,9 @@ def _miniature(plan: ShardingPlan, seed: int = 0) -> tuple[PyTree, list[PyTree]]
         return rng.standard_normal(_miniature_shape(t.shape)).astype(np.float32)
 
     params = jax.tree.map(draw, plan.tensors)
-    grads = [jax.tree.map(draw, plan.tensors) for _ in range(2)]
+    grads = [jax.tree.map(draw, plan.tensors) for _ in range(steps)]
     grads[0] = jax.tree.map(lambda g: g * LARGE_GRADS, grads[0])
-    largest = max(jax.tree.leaves(grads[-1]), key=np.size, default=None)
+    largest = max(jax.tree.leaves(grads[1]), key=np.size, default=None)
     if largest is not None and largest.size:
         largest.reshape(-1)[0] = np.nan
     as_arrays = lambda tree: jax.tree.map(jnp.asarray, tree)  # noqa: E731
@@ -143,19 +149,69 @@ def _step_error(a: jax.Array, b: jax.Array) -> float:
     return worst
 
 
-def _run(inner, params, grads, groups) -> list[jax.Array]:
-    """Steps `inner` from `params` through `grads`; per param leaf its updates, [steps, *shape]."""
-    state, updates = inner.init(params), []
-    for g in grads:
+def _multi_steps(inner, plan: ShardingPlan) -> bool:
+    """Whether `inner`'s state holds an `optax.MultiStepsState` or `optax.ApplyEvery` (module docstring)."""
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32), plan.tensors)
+    is_multi = lambda x: isinstance(x, (optax.MultiStepsState, optax.ApplyEvery))  # noqa: E731
+    return any(is_multi(x) for x in jax.tree.leaves(jax.eval_shape(inner.init, abstract), is_leaf=is_multi))
+
+
+def _check_emits(what: str, path: str, reference: list[jax.Array]) -> None:
+    """Raises ConfigError if `inner` (named `what`), holding MultiSteps, updated no param in the probe's steps (a
+    NaN it holds back shows as 0 x NaN: only finite non-zero updates count)."""
+    if not any(np.any((np.asarray(u) != 0) & np.isfinite(u)) for u in reference):
+        raise ConfigError(
+            f"zero.path={path} cannot check {what}: it updated no param in {MULTI_STEPS_PROBE} steps (optax.MultiSteps "
+            "or apply_every with k above that?). Accumulate grads with micro-batches (train.microbatches, "
+            "build_zero(microbatches=)) or use zero.path=spec."
+        )
+
+
+def _run_with_state(inner, params, grads, groups) -> tuple[list[jax.Array], PyTree]:
+    """Steps `inner` from `params` through `grads` (a list of steps): per param leaf its updates, [steps,
+    *shape], and the state the steps leave. Up to PROBE_STEPS steps run one by one; more (MultiSteps')
+    run the first alone and the others in a scan, one step's program whatever their number, from the state
+    the first leaves, whose types no longer change (a count made by init may be weakly typed)."""
+
+    def step(carry, g):
+        params, state = carry
         u, state = inner_update(inner, g, state, params, groups)
-        params = optax.apply_updates(params, u)
-        updates.append(jax.tree.leaves(u))
-    return [jnp.stack(us) for us in zip(*updates)]
+        return (optax.apply_updates(params, u), state), jax.tree.leaves(u)
+
+    carry, updates = (params, inner.init(params)), []
+    for g in grads if len(grads) <= PROBE_STEPS else grads[:1]:
+        carry, u = step(carry, g)
+        updates.append([x[None] for x in u])
+    if len(grads) > PROBE_STEPS:
+        carry, rest = jax.lax.scan(step, carry, jax.tree.map(lambda *gs: jnp.stack(gs), *grads[1:]))
+        updates.append(rest)
+    return [jnp.concatenate(us) for us in zip(*updates)], carry[1]
 
 
-def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list[jax.Array]:
+def _run(inner, params, grads, groups) -> list[jax.Array]:
+    """`_run_with_state`'s updates."""
+    return _run_with_state(inner, params, grads, groups)[0]
+
+
+def _scalars(state: PyTree, plan: ShardingPlan | None = None) -> list[jax.Array]:
+    """The scalar leaves of an inner state but those of a param's own state (its path ends in the param's,
+    looked up in `plan`: a scalar param's moments); a flat shard's state has none of those."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [x for path, x in leaves if jnp.ndim(x) == 0 and (plan is None or plan.param_of(tuple(path)) is None)]
+
+
+def _scalars_differ(a: list[jax.Array], b: list[jax.Array]) -> bool:
+    """Whether two states' `_scalars` differ (beyond TOLERANCE; in which are finite); lists of another length
+    (a state laid out otherwise) are not compared."""
+    if len(a) != len(b):
+        return False
+    return any(_step_error(jnp.reshape(x, (1, 1)), jnp.reshape(y, (1, 1))) > TOLERANCE for x, y in zip(a, b))
+
+
+def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> tuple[list[jax.Array], list]:
     """`_run` as the flat path would: the params concatenated, cut into 2 buckets, each
-    bucket into 2 rank shards (cuts fall inside params), each rank stepping its own slices."""
+    bucket into 2 rank shards (cuts fall inside params), each rank stepping its own slices. Also each
+    rank's state's `_scalars`."""
     leaves = jax.tree.leaves(params)
     sizes = [x.size for x in leaves]
 
@@ -175,19 +231,21 @@ def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> list
         lr = shards_of(cat([jnp.full(s, g.lr_mult) for s, g in zip(sizes, per_param)]))
         wd = shards_of(cat([jnp.full(s, g.wd_mult) for s, g in zip(sizes, per_param)]))
         rank_groups = [GroupValues(lr[r], wd[r]) for r in range(2)]
-    out = [_run(inner, flat_params[r], [g[r] for g in flat_grads], rank_groups[r]) for r in range(2)]
+    runs = [_run_with_state(inner, flat_params[r], [g[r] for g in flat_grads], rank_groups[r]) for r in range(2)]
+    out = [u for u, _ in runs]
     flat = jnp.concatenate([out[0][0], out[1][0], out[0][1], out[1][1]], axis=1)  # [steps, n]
     pieces = jnp.split(flat, np.cumsum(sizes)[:-1], axis=1)
-    return [x.reshape(len(grads), *p.shape) for x, p in zip(pieces, leaves)]
+    return [x.reshape(len(grads), *p.shape) for x, p in zip(pieces, leaves)], [_scalars(st) for _, st in runs]
 
 
 def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None = None) -> None:
     """Raises ConfigError unless `inner` updates a flat buffer's shards as it updates the params.
 
-    Compares two steps' updates (not the params, whose size would hide a difference in a
+    Compares the probe's steps' updates (not the params, whose size would hide a difference in a
     small update), each step's per param, against the per-param run (module docstring).
     """
-    params, grads = _miniature(plan)
+    multi = _multi_steps(inner, plan)
+    params, grads = _miniature(plan, MULTI_STEPS_PROBE if multi else PROBE_STEPS)
     values = None if groups is None else per_param_values(groups)
     per_param = None if groups is None else group_leaves(groups)
     what = transformation_name(inner)
@@ -196,9 +254,11 @@ def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, g
         "zero.path=spec (any optax transformation), or for per-param weight decay and lr multipliers "
         "jzero's param groups (jzero.zero.groups)."
     )
-    reference = jax.jit(lambda p, g: _run(inner, p, g, values))(params, grads)
+    reference, state = jax.jit(lambda p, g: _run_with_state(inner, p, g, values))(params, grads)
+    if multi:
+        _check_emits(what, "flat", reference)
     try:
-        flat = jax.jit(lambda p, g: _on_slices(inner, p, g, per_param))(params, grads)
+        flat, rank_scalars = jax.jit(lambda p, g: _on_slices(inner, p, g, per_param))(params, grads)
     except Exception as e:  # a transformation built for the params' tree structure (labels, masks)
         raise ConfigError(
             f"zero.path=flat cannot run {what}: it fails on flat buffer shards ({type(e).__name__}: "
@@ -214,6 +274,12 @@ def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, g
             f"differs {how} (param {worst}); trust ratios, factored moments, per-tensor "
             f"masks, norms (clipping) and skips of non-finite updates inside the chain see one rank's slice of a "
             f"buffer there. {use}"
+        )
+    if any(_scalars_differ(r, _scalars(state, plan)) for r in rank_scalars):
+        raise ConfigError(
+            f"zero.path=flat needs an element-wise optimizer, and {what} is not: on flat buffer shards a scalar of "
+            f"its state differs (a statistic over all params, as D-Adaptation's or Prodigy's learning-rate "
+            f"estimate?), so its later updates would. {use}"
         )
     if _decides_by_size(inner, plan, values):
         raise ConfigError(
@@ -267,13 +333,14 @@ def check_per_tensor(
 
     The owned layout (`owned/layout.py`) steps each rank's params whole but without the others, which it
     hands the transformation as `optax.MaskedNode`s; a norm, clip or skip across params inside the chain
-    would see only the rank's own. Compares two steps' updates on the miniature (module docstring); and,
+    would see only the rank's own. Compares the probe's steps' updates on the miniature (module docstring); and,
     traced only, the update program of each stacked or expert param at its shape against at the shape a
     rank holds of it (one layer; its ep slice), which a rule on a dim's size (Adafactor's factored dims)
     tells apart beyond the miniature. A stacked param that fails either only by its layers (Adafactor's
     block RMS over the whole stack) is returned, for its owner to hold it whole.
     """
-    params, grads = _miniature(plan)
+    multi = _multi_steps(inner, plan)
+    params, grads = _miniature(plan, MULTI_STEPS_PROBE if multi else PROBE_STEPS)
     values = None if groups is None else per_param_values(groups)
     leaves, treedef = jax.tree.flatten(params)
     tensors = jax.tree.leaves(plan.tensors)
@@ -298,22 +365,34 @@ def check_per_tensor(
         return treedef.unflatten(out)
 
     def runs(params, grads):
-        reference = _run(inner, params, grads, values)
-        each = []
+        reference, state = _run_with_state(inner, params, grads, values)
+        each, scalars = [], []
         for i, layer in cases:
             vals = None if values is None else GroupValues(*(alone(v, i, layer) for v in values))
-            each.append(_run(inner, alone(params, i, layer), [alone(g, i, layer) for g in grads], vals)[0])
-        return reference, each
+            u, st = _run_with_state(inner, alone(params, i, layer), [alone(g, i, layer) for g in grads], vals)
+            each.append(u[0])
+            scalars.append(_scalars(st, plan))
+        return reference, each, _scalars(state, plan), scalars
 
     what = transformation_name(inner)
     try:
-        reference, each = jax.jit(runs)(params, grads)
+        reference, each, state_scalars, scalars = jax.jit(runs)(params, grads)
     except Exception as e:  # a transformation built for the whole tree's structure
         raise ConfigError(
             f"zero.path=owned cannot run {what}: it fails on one param alone ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:160]}). Use zero.path=spec."
         ) from None
+    if multi:
+        _check_emits(what, "owned", reference)
     whole = set()
+    for (i, layer), alone_scalars in zip(cases, scalars):
+        if _scalars_differ(alone_scalars, state_scalars):  # held whole or not, the owner's state is its own
+            where = names[i] + ("" if layer is None else f" (layer {layer})")
+            raise ConfigError(
+                f"zero.path=owned steps each param whole and alone on its owner, and a scalar of {what}'s state "
+                f"differs with param {where} alone (a statistic over all params, as D-Adaptation's or Prodigy's "
+                "learning-rate estimate?), so its later updates would. Use zero.path=spec."
+            )
     for (i, layer), u in zip(cases, each):
         if _step_error(u, part(reference[i], i, layer)) <= PER_TENSOR_TOLERANCE:
             continue

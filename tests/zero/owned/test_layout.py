@@ -190,6 +190,19 @@ def test_refuses_a_chain_that_couples_params():
 
 
 @pytest.mark.parametrize(
+    "inner, match",
+    [  # both trained wrong on this path before the probe ran past two steps and compared the state's scalars
+        (lambda: optax.MultiSteps(optax.apply_if_finite(optax.sgd(0.1), 5), 3), "its owner, and a scalar of Multi"),
+        (lambda: optax.contrib.dadapt_adamw(1.0), "a scalar of dadapt_adamw's state differs with param"),
+    ],
+    ids=["multi-steps-skip-if-nonfinite", "dadapt-adamw"],
+)
+def test_refuses_a_chain_that_couples_params_after_two_steps(inner, match):
+    with pytest.raises(ConfigError, match=match):
+        pytree.build("optim", "owned", dp=2, inner=inner())
+
+
+@pytest.mark.parametrize(
     "zero, match",
     [
         ({"strategy": "optim_grads_params"}, "optim or optim_grads"),
