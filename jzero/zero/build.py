@@ -286,6 +286,13 @@ def build_zero(
     options = StepOptions(
         microbatches, grad_reduce_dtype, clip_grad, loss_scale, has_aux, skip_nonfinite, spike_guard
     )
+    for path, p in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        if not jnp.issubdtype(p.dtype, jnp.floating):  # plain optax cannot train it either (a float0 grad)
+            raise ConfigError(
+                f"param {jax.tree_util.keystr(path)} is {jnp.dtype(p.dtype).name}: a ZeRO step trains floating-point "
+                "params only (it would keep an fp32 main copy of it, decay and cast it back); keep counters and "
+                "other non-float values out of the params"
+            )
     if loss_scale is None and any(jnp.dtype(p.dtype) == jnp.float16 for p in jax.tree.leaves(abstract_params)):
         raise ConfigError(
             "float16 params need loss scaling (their grads underflow without it): pass "

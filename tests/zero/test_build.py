@@ -36,6 +36,16 @@ def test_float16_params_need_loss_scaling():
     assert z.options.loss_scale == DynamicLossScale()
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_a_non_float_param_is_refused(dtype):
+    """The spec path took an int counter among the params, kept an fp32 main copy of it and weight-decayed
+    it (30 -> 12 in 3 steps); the owned path crashed in its backward."""
+    abstract = {**pytree.abstract(), "count": jax.ShapeDtypeStruct((), dtype)}
+    name = jnp.dtype(dtype).name
+    with pytest.raises(ConfigError, match=rf"^param \['count'\] is {name}: a ZeRO step trains floating-point"):
+        build_zero(pytree.loss, optax.adamw(1e-2), pytree.mesh(dp=2), abstract, {**pytree.NO_TP, "count": P()})
+
+
 def test_a_zero_size_param_is_refused_where_jaxlibs_xla_would_crash_on_it():
     """jaxlib 0.11.2's XLA segfaults compiling a step with a 0-size param; 0.10.2 (and this machine's jax)
     trains it (tests/zero/test_optax_contract.py's `empty`)."""
