@@ -300,6 +300,23 @@ def _reads(fn, args: tuple, arg_index: int) -> bool:
     return any(not isinstance(v, Literal) and v in marked for v in closed.jaxpr.outvars)
 
 
+def check_runs(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None) -> None:
+    """Raises ConfigError unless `inner`'s update runs as the step calls it: update(grads, state, params),
+    with `param_groups=` where groups are given (`update.inner_update`), nothing else. A transformation
+    that needs the loss (`value=`: optax.contrib.reduce_on_plateau, polyak_sgd) is refused here, by name,
+    not at the first step. Traced only, on abstract arrays."""
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32), plan.tensors)
+    values = None if groups is None else per_param_values(groups)
+    try:
+        jax.eval_shape(lambda p: inner_update(inner, p, inner.init(p), p, values), abstract)
+    except TypeError as e:
+        raise ConfigError(
+            f"{transformation_name(inner)} cannot run in a ZeRO step, which calls update(grads, state, params"
+            f"{', param_groups=...' if groups is not None else ''}) and nothing more ({str(e).splitlines()[0][:160]}); "
+            "a transformation that needs the loss (value=) is not supported"
+        ) from None
+
+
 def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None) -> None:
     """Raises ConfigError if `groups` sets a multiplier that `inner` never reads."""
     if groups is None:

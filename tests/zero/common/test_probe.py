@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import pytree
 from jzero.errors import ConfigError
 from jzero.zero.common import groups
-from jzero.zero.common.probe import check_elementwise, check_groups_read, transformation_name
+from jzero.zero.common.probe import check_elementwise, check_groups_read, check_runs, transformation_name
 from jzero.zero.common.strategies import make_plan
 from jzero.zero.config import ParamGroupRule, ShardingStrategy
 
@@ -88,3 +88,16 @@ def test_groups_the_chain_never_reads_are_refused():
     lr_only = groups.param_groups(pytree.abstract(), weight_decay_1d=True, rules=[ParamGroupRule("w", 0.5)])
     with pytest.raises(ConfigError, match=r"^param groups set lr_mult but .* never reads it: put .*scale_by_lr_mult"):
         check_groups_read(optax.chain(optax.scale_by_adam(), groups.add_decayed_weights(0.1)), PLAN, lr_only)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()), optax.polyak_sgd()],
+    ids=["reduce_on_plateau", "polyak_sgd"],
+)
+def test_a_transformation_that_needs_the_loss_is_refused_when_built(inner):
+    """Before, the spec path raised optax's TypeError at the first step, the flat path at its probe."""
+    check_runs(optax.adam(1e-2), PLAN, None)
+    with pytest.raises(ConfigError, match=r"cannot run in a ZeRO step, which calls update\(grads, state, params\) and "
+                       r"nothing more \(.*missing 1 required keyword-only argument: 'value'\)"):  # fmt: skip
+        check_runs(inner, PLAN, None)
