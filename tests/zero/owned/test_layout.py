@@ -202,6 +202,14 @@ def test_refuses_a_chain_that_couples_params_after_two_steps(inner, match):
         pytree.build("optim", "owned", dp=2, inner=inner())
 
 
+def test_refuses_a_chain_that_fails_on_a_rank_that_owns_nothing():
+    """galore's update fails on a tree of MaskedNodes only: before, the step built and crashed at its first call
+    where some rank owned no param."""
+    pytree.build("optim", "owned", dp=2, inner=optax.contrib.galore(1e-2, rank=2))
+    with pytest.raises(ConfigError, match=r"^zero.path=owned: some of the 8 ranks own no param here, and .*galore"):
+        pytree.build("optim", "owned", dp=8, inner=optax.contrib.galore(1e-2, rank=2))
+
+
 @pytest.mark.parametrize(
     "zero, match",
     [
