@@ -109,6 +109,13 @@ def multipliers(extra_args: dict, field: str, updates: PyTree) -> PyTree:
     return getattr(values, field)
 
 
+def _map_unmasked(f, updates: PyTree, *rest: PyTree) -> PyTree:
+    """`jax.tree.map(f, updates, *rest)` where `updates` holds arrays; an `optax.MaskedNode` (the leaves an
+    enclosing `optax.masked` leaves out, whose `param_groups` still hold their values) stays as it is."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    return jax.tree.map(lambda u, *r: u if masked(u) else f(u, *r), updates, *rest, is_leaf=masked)
+
+
 def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0) -> optax.GradientTransformationExtraArgs:
     """`optax.add_decayed_weights` with Megatron's per-param `wd_mult`: `g + weight_decay * wd_mult * p`."""
     base = optax.add_decayed_weights(weight_decay)
@@ -119,7 +126,7 @@ def add_decayed_weights(weight_decay: optax.ScalarOrSchedule = 0.0) -> optax.Gra
         _, new_state = base.update(updates, state, params)  # the schedule's step count
         s = weight_decay(state.count) if callable(weight_decay) else weight_decay
         mult = multipliers(extra_args, "wd_mult", updates)
-        return jax.tree.map(lambda g, p, m: g + s * m * p, updates, params, mult), new_state
+        return _map_unmasked(lambda g, p, m: g + s * m * p, updates, params, mult), new_state
 
     return optax.GradientTransformationExtraArgs(base.init, update)
 
@@ -130,7 +137,7 @@ def scale_by_lr_mult() -> optax.GradientTransformationExtraArgs:
     def update(updates, state, params=None, **extra_args):
         del params
         mult = multipliers(extra_args, "lr_mult", updates)
-        return jax.tree.map(lambda u, m: u * m, updates, mult), state
+        return _map_unmasked(lambda u, m: u * m, updates, mult), state
 
     return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
 

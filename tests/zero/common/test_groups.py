@@ -104,3 +104,18 @@ def test_the_multipliers_scale_decay_and_lr_per_param():
     scaled, _ = groups.scale_by_lr_mult().update(params, optax.EmptyState(), param_groups=groups.GroupValues(lr, wd))
     for k in params:
         np.testing.assert_allclose(scaled[k], lr[k] * params[k], rtol=1e-7)
+
+
+def test_the_multipliers_inside_optax_masked():
+    """Inside `optax.masked` the updates hold MaskedNodes where param_groups hold values: before, a pytree
+    structure error at build; now the masked-in leaves get their multipliers, the others pass through."""
+    params = pytree.init_params()
+    g = jax.tree.map(jnp.zeros_like, params)
+    wd = {"w": 2.0, "bias": 0.0, "v": 1.0, "s": 1.0}
+    values = groups.GroupValues(jax.tree.map(lambda _: 3.0, wd), wd)
+    mask = {"w": True, "bias": True, "v": False, "s": False}
+    tx = optax.masked(optax.chain(groups.add_decayed_weights(0.5), groups.scale_by_lr_mult()), mask)
+    out, _ = tx.update(g, tx.init(params), params, param_groups=values)
+    for k in params:
+        want = 3.0 * 0.5 * wd[k] * params[k] if mask[k] else g[k]
+        np.testing.assert_allclose(out[k], want, rtol=1e-7)
