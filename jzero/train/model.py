@@ -191,7 +191,7 @@ embedding_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 def chunked_cross_entropy(x, head, labels, chunk: int):
     """The mean next-token cross-entropy of x [N, D] through head [D, V] against labels [N], `chunk` tokens at a
     time: each chunk's fp32 logits [chunk, V] are made, reduced and dropped, and made again for its backward
-    (`jax.checkpoint` in a scan), so the [N, V] logits never exist at once. N is padded to whole chunks with
+    (`jax.checkpoint` in a `lax.map`), so the [N, V] logits never exist at once. N is padded to whole chunks with
     masked-out rows."""
     n = x.shape[0]
     chunks = -(-n // chunk)
@@ -201,13 +201,12 @@ def chunked_cross_entropy(x, head, labels, chunk: int):
     keep = (jnp.arange(chunks * chunk) < n).reshape(chunks, chunk)
 
     @jax.checkpoint
-    def one(total, part):
+    def one(part):  # no carry: a zero to start from would be typed DP-invariant inside a ZeRO step's shard_map
         xc, lc, kc = part
         logits = jnp.einsum("nd,dv->nv", xc, head, preferred_element_type=jnp.float32)
-        return total + jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, lc) * kc), None
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, lc) * kc)
 
-    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (xs, ls, keep))
-    return total / n
+    return jnp.sum(jax.lax.map(one, (xs, ls, keep))) / n
 
 
 class GPTModel:
