@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,10 +103,25 @@ def _write_json(path: str | None, doc: dict) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def _check_json(path: str | None) -> None:
+    """Before anything compiles: --json names a new file in a directory jzero can make or write in."""
+    if not path:
+        return
+    out = Path(path)
+    if out.exists() or out.is_symlink():
+        raise ConfigError(f"--json {out} exists: jzero never replaces a file it did not write; name a new file")
+    existing = next(p for p in out.parents if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--json {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--json {out}: directory {existing} is not writable")
+
+
 def _report(args, module_name: str) -> int:
     """Compiles every strategy, prints the `comms` or `memory` report, writes --json."""
     # --path before validation: a key that needs the flat path (zero.param_gather_dtype) may come with it.
     cfg = load_config(args.config, [*args.set, *([f"zero.path={args.path}"] if args.path else [])])
+    _check_json(args.json)
     from jzero.runtime import start_jax
 
     start_jax(cfg.train.host_devices)

@@ -132,6 +132,19 @@ def test_mesh_must_fit_topology(capsys):
     assert "--strategies: 'zero9' is not one of" in capsys.readouterr().err
 
 
+def test_json_never_replaces_a_file(tmp_path, capsys):
+    """Refused before anything compiles: before, the report replaced the user's file."""
+    mine = tmp_path / "mine.json"
+    mine.write_text("precious\n")
+    assert jzero(["memory", "--strategies", "optim", "--json", str(mine)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"jzero: error: --json {mine} exists: jzero never replaces a file it did not write; name a new " \
+        "file"
+    assert mine.read_text() == "precious\n"
+    assert jzero(["hlo", "--json", str(mine / "x.json")]) == 2
+    assert f"--json {mine / 'x.json'}: {mine} is not a directory" in capsys.readouterr().err
+
+
 def test_gpu_target_without_plugin_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # makes the import fail
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8"]) == 2
