@@ -332,9 +332,13 @@ def write(
     _check_divides(model, tp, query_groups, what)
     whole = {"model": model, "param": main, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
+    if ckpt_format == "torch_dist" and (Path(path) / f"iter_{iteration:07d}").exists():
+        raise InteropError(f"{Path(path) / f'iter_{iteration:07d}'} exists: jzero never overwrites a checkpoint")
+    if (Path(path) / TRACKER).exists():  # another run's: Megatron would load jzero's iteration instead of its own
+        raise InteropError(
+            f"{Path(path) / TRACKER} exists: jzero never overwrites a checkpoint's tracker; choose another directory"
+        )
     if ckpt_format == "torch_dist":
-        if (Path(path) / f"iter_{iteration:07d}").exists():
-            raise InteropError(f"{Path(path) / f'iter_{iteration:07d}'} exists: jzero never overwrites a checkpoint")
         return _write_torch_dist(path, iteration, whole, order, params_order, param_groups, scheduler, bucket_size,
                                  dtype_key, (tp, pp, ep), tied, data_parallel, model_args, what)  # fmt: skip
     ranks = {k: split_ranks(order, {n: whole[k][n] for n in params_order}, tp, pp, ep, tied, what) for k in whole}

@@ -29,6 +29,7 @@ Every problem with the files is one `ConfigError` line naming the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import struct
@@ -181,28 +182,55 @@ def write_indexed(prefix: str, documents: Iterable[Sequence[np.ndarray]], dtype)
     """Writes PREFIX.bin and PREFIX.idx as Megatron's `IndexedDatasetBuilder` does.
 
     Each document is a list of sequences (`add_document(tokens, lengths)`: one sequence per document,
-    as preprocess_data without --split-sentences writes). Returns (documents, tokens) written.
+    as preprocess_data without --split-sentences writes). Returns (documents, tokens) written. Both files
+    are written under temporary names beside them and renamed into place at the end (removed on a
+    failure), so a failed write leaves no partial .bin or mismatched .idx.
+
+    Raises:
+      ConfigError: PREFIX.bin or PREFIX.idx exists (never overwritten), or a token id does not fit `dtype`.
     """
     dtype = np.dtype(dtype)
+    paths = (f"{prefix}.bin", f"{prefix}.idx")
+    for path in paths:
+        if os.path.lexists(path):
+            raise ConfigError(
+                f"{path} exists: jzero never overwrites a file it did not write; move it away or choose another prefix"
+            )
+    tmp_bin, tmp_idx = (f"{path}.{os.getpid()}.tmp" for path in paths)
     lengths: list[int] = []
     doc_indices = [0]
-    with open(f"{prefix}.bin", "wb") as data:
-        for doc in documents:
-            arrays = [np.asarray(s) for s in doc]
-            for a in arrays:
-                if a.size and (a.min() < np.iinfo(dtype).min or a.max() > np.iinfo(dtype).max):
-                    raise ConfigError(f"{prefix}.bin: token ids {a.min()}..{a.max()} do not fit {dtype.name}")
-            data.write(np.concatenate(arrays).astype(dtype).tobytes(order="C") if arrays else b"")
-            lengths.extend(a.size for a in arrays)
-            doc_indices.append(len(lengths))
-    pointers = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))[:-1]]) * dtype.itemsize
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(INDEX_HEADER)
-        f.write(struct.pack("<Q", VERSION))
-        f.write(struct.pack("<B", dtype_code(dtype)))
-        f.write(struct.pack("<Q", len(lengths)))
-        f.write(struct.pack("<Q", len(doc_indices)))
-        f.write(np.array(lengths, np.int32).tobytes(order="C"))
-        f.write(np.array(pointers[: len(lengths)], np.int64).tobytes(order="C"))
-        f.write(np.array(doc_indices, np.int64).tobytes(order="C"))
+    made: list[str] = []  # the temporaries this call created: only they are removed on a failure
+    try:
+        with open(tmp_bin, "xb") as data:
+            made.append(tmp_bin)
+            for doc in documents:
+                arrays = [np.asarray(s) for s in doc]
+                for a in arrays:
+                    if a.size and (a.min() < np.iinfo(dtype).min or a.max() > np.iinfo(dtype).max):
+                        raise ConfigError(f"{prefix}.bin: token ids {a.min()}..{a.max()} do not fit {dtype.name}")
+                data.write(np.concatenate(arrays).astype(dtype).tobytes(order="C") if arrays else b"")
+                lengths.extend(a.size for a in arrays)
+                doc_indices.append(len(lengths))
+        pointers = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))[:-1]]) * dtype.itemsize
+        with open(tmp_idx, "xb") as f:
+            made.append(tmp_idx)
+            f.write(INDEX_HEADER)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", dtype_code(dtype)))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(doc_indices)))
+            f.write(np.array(lengths, np.int32).tobytes(order="C"))
+            f.write(np.array(pointers[: len(lengths)], np.int64).tobytes(order="C"))
+            f.write(np.array(doc_indices, np.int64).tobytes(order="C"))
+        os.replace(tmp_bin, paths[0])
+        try:
+            os.replace(tmp_idx, paths[1])
+        except BaseException:
+            os.unlink(paths[0])  # the .bin this call just put there: never a .bin without its .idx
+            raise
+    except BaseException:
+        for tmp in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
     return len(doc_indices) - 1, int(sum(lengths))

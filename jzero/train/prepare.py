@@ -57,8 +57,14 @@ def prepare(src: str, out_prefix: str, tokenizer: str | None = None) -> dict:
     Returns:
       {"documents", "tokens", "dtype", "vocab_size", "prefix"}.
     Raises:
-      ConfigError: `src` is not a directory or holds no text file, or a bad `tokenizer`.
+      ConfigError: `src` is not a directory or holds no text file, a bad `tokenizer`, an `out_prefix` that
+        names no file (empty, or ending in /), or OUT_PREFIX.bin or .idx exists (never overwritten).
     """
+    if os.path.basename(out_prefix) in ("", ".", ".."):
+        raise ConfigError(
+            f"OUT_PREFIX {out_prefix!r} names no file: give a path prefix such as data/mine "
+            "(it writes data/mine.bin + data/mine.idx)"
+        )
     root = Path(src)
     if not root.is_dir():
         raise ConfigError(f"SRC_DIR {src} is not a directory")

@@ -226,8 +226,10 @@ def test_export_is_megatrons_file_and_reads_back(variant, tmp_path):
             np.testing.assert_array_equal(ours_sd[key], value, err_msg=f"{name} {key}")
 
     state, _, _ = train(zero, state, CHECKPOINT_STEP + 1, CHECKPOINT_STEP + 5)
-    megatron.save(tmp_path / "out", state, zero, NAMES, hyperparams=HYPERPARAMS, bucket_size=bucket_size, order=ORDER)
-    back = megatron.read(tmp_path / "out", bucket_size=bucket_size)
+    # into a new directory: "out"'s tracker is never overwritten
+    megatron.save(tmp_path / "later", state, zero, NAMES, hyperparams=HYPERPARAMS, bucket_size=bucket_size,
+                  order=ORDER)  # fmt: skip
+    back = megatron.read(tmp_path / "later", bucket_size=bucket_size)
     assert back.iteration == back.adam_step == CHECKPOINT_STEP + 5
     params = by_name(jax.device_get(zero.full_params(state.params)))
     model_opt = jax.device_get(zero.to_model_space(state.opt_state)).inner_state[0]
@@ -331,6 +333,26 @@ def test_bad_checkpoints_are_one_line(tmp_path):
     sgd = build_zero(loss_fn, optax.sgd(0.1, momentum=0.9), make_mesh(MeshConfig(dp=8)), abstract,
                      jax.tree.map(lambda _: jax.sharding.PartitionSpec(), abstract), ZeroConfig())  # fmt: skip
     refused(lambda: megatron.load(legacy, sgd, NAMES, bucket_size=1000), "trace", "Adam")
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_export_never_overwrites_megatrons_tracker(ckpt_format, tmp_path):
+    """A directory holding Megatron's own run (its iter_N and latest_checkpointed_iteration.txt): the export
+    refuses in one line naming the tracker, before writing anything (Megatron would load jzero's iteration)."""
+    (tmp_path / "iter_0000100").mkdir()
+    (tmp_path / megatron.TRACKER).write_text("100")
+    model = {"embedding.word_embeddings.weight": np.ones((8, 4), np.float32)}
+    from jzero.interop.megatron_save import write
+
+    dp = 1 if ckpt_format == "torch_dist" else None
+    with pytest.raises(InteropError) as info:
+        write(tmp_path, iteration=2, model=model, main=model, exp_avg=model, exp_avg_sq=model, order=list(model),
+              param_groups=[], scheduler={}, ckpt_format=ckpt_format, data_parallel=dp)  # fmt: skip
+    assert str(info.value) == (
+        f"{tmp_path / megatron.TRACKER} exists: jzero never overwrites a checkpoint's tracker; choose another directory"
+    )
+    assert (tmp_path / megatron.TRACKER).read_text() == "100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100", megatron.TRACKER]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

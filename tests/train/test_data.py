@@ -279,6 +279,61 @@ def test_prepare_bad_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     assert needle in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("ext", ["bin", "idx"])
+def test_prepare_never_overwrites_a_file_it_did_not_write(ext, tmp_path, capsys):
+    """An existing OUT_PREFIX.bin or .idx (the user's): one line naming it, exit 2, the file untouched and
+    nothing written beside it."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / f"ds.{ext}").write_text("mine\n")
+    assert main(["data", "prepare", str(tmp_path / "src"), str(tmp_path / "out" / "ds")]) == 2
+    err = capsys.readouterr().err
+    want = f"{tmp_path / 'out' / f'ds.{ext}'} exists: jzero never overwrites a file it did not write"
+    assert err.startswith("jzero: error: ") and want in err and err.count("\n") == 1, err
+    assert (tmp_path / "out" / f"ds.{ext}").read_text() == "mine\n"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [f"ds.{ext}"]
+
+
+@pytest.mark.parametrize("prefix", ["", "out/", "out/."])
+def test_prepare_refuses_a_prefix_that_names_no_file(prefix, tmp_path, capsys, monkeypatch):
+    """An empty OUT_PREFIX or one ending in / would write hidden .bin/.idx files: one line, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("text")
+    assert main(["data", "prepare", "src", prefix]) == 2
+    err = capsys.readouterr().err
+    assert f"OUT_PREFIX {prefix!r} names no file" in err and err.count("\n") == 1, err
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_prepare_that_fails_midway_leaves_no_partial_files(tmp_path, capsys, monkeypatch):
+    """A source file that cannot be read after others were written (simulated: root reads any file) and a
+    token id that does not fit the dtype: one line, and no .bin, .idx or temporary file left behind."""
+    import pathlib
+
+    (tmp_path / "src").mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / "src" / name).write_text(name * 100)
+    read_bytes = pathlib.Path.read_bytes
+
+    def unreadable(path):
+        if path.name == "c.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", unreadable)
+    (tmp_path / "out").mkdir()
+    assert main(["data", "prepare", str(tmp_path / "src"), str(tmp_path / "out" / "ds")]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and err.count("\n") == 1, err
+    assert list((tmp_path / "out").iterdir()) == []
+    docs = [[np.array([1, 2])], [np.array([70000])]]
+    with pytest.raises(ConfigError, match="do not fit uint16"):
+        write_indexed(str(tmp_path / "out" / "w"), docs, np.uint16)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 @pytest.mark.slow
 def test_megatron_data_trains_with_validation_and_resumes_the_same(tmp_path):
     """`jzero data prepare` -> the training loop on the prefix: `val_loss` in metrics.jsonl every eval_every steps
