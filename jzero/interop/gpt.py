@@ -118,6 +118,8 @@ def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
 
 def read_names_file(path: str | Path) -> dict[str, str | None]:
     """A names file (module docstring), checked to be a JSON object of strings or nulls."""
+    if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read forever
+        raise InteropError(f"names file {path} is not a regular file")
     try:
         names = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:

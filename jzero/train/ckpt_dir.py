@@ -40,6 +40,8 @@ def is_step(path: Path) -> bool:
     restoring reports (never a step to skip silently)."""
     path = Path(path)
     try:
+        if not (path / "meta" / "metadata").is_file():  # a FIFO would block the read forever
+            raise OSError("not a regular file")
         meta = json.loads((path / "meta" / "metadata").read_text())
     except (OSError, ValueError):
         return (path / "meta").is_dir() and (path / "state").is_dir()
@@ -79,12 +81,20 @@ def read_marker(directory: Path) -> dict | None:
     path = directory / MARKER
     if not path.exists():
         return None
+    if not path.is_file():  # a FIFO would block the read forever
+        raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is not a regular file")
     try:
         marker = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is unreadable ({e})") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("runs"), list):
         raise CheckpointError(f"checkpoint directory {directory}: {MARKER} is not jzero's marker (edited?)")
+    if not all(isinstance(r, dict) and isinstance(r.get("started"), str) and isinstance(r.get("host"), str)
+               for r in marker["runs"]):  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint directory {directory}: {MARKER} is damaged (a run entry without "
+            "its started time or host): restore it or use a new checkpoint.dir"
+        )
     return marker
 
 
@@ -130,7 +140,10 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
     without the marker, a marked directory with steps unless `resume`, and a directory another
     live run holds the lock of. Writing the marker is also the check that the directory is writable.
     """
-    directory = Path(directory).resolve()
+    try:
+        directory = Path(directory).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise CheckpointError(f"checkpoint.dir {directory} cannot be resolved: {e}") from None
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"checkpoint.dir {directory} is a file, not a directory")
     try:

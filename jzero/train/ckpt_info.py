@@ -16,6 +16,7 @@ from jzero.errors import CheckpointError, one_line
 from jzero.train import ckpt_dir
 from jzero.train.ckpt_step import names, read_meta, reader, saved_fingerprints, with_empty, without_empty
 from jzero.train.integrity import mismatched
+from jzero.train.unraisable import quiet_abandoned_io
 
 
 def _verify(directory: Path, step: int, manager: ocp.CheckpointManager) -> str | None:
@@ -77,6 +78,10 @@ def verify_steps(directory: str | Path) -> dict[int, str | None]:
 
     Reads each step whole onto this host's first device, one step at a time.
     """
+    quiet_abandoned_io()  # a damaged step's abandoned reads would print tracebacks after the report
     directory = ckpt_dir.open_for_reading(directory)
     manager = reader(directory)
-    return {step: _verify(directory, step, manager) for step in sorted(manager.all_steps())}
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    return {step: _verify(directory, step, manager) for step in steps}

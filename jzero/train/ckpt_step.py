@@ -111,6 +111,11 @@ def reader(directory: str | Path) -> ocp.CheckpointManager:
 
 
 def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager | None = None) -> dict:
+    file = Path(directory) / ckpt_dir.StepNames().build_name(step) / "meta" / "metadata"
+    if file.exists() and not file.is_file():  # a FIFO would block the read forever
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory}: metadata unreadable ({file} is not a regular file)"
+        )
     manager = manager or reader(directory)
     try:
         return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta

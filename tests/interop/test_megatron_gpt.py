@@ -13,6 +13,8 @@ by their own size.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import zipfile
 from pathlib import Path
 
@@ -196,8 +198,10 @@ def test_cli_import_train_export(tmp_path, capsys):
 
     assert main(["train", str(config), "--out", str(tmp_path / "run"), "--quiet", "--resume", str(tmp_path / "j"),
                  "--set", f"checkpoint.dir={tmp_path / 'j'}"]) == 0  # fmt: skip
-    assert main(["ckpt", "export-megatron", str(tmp_path / "j"), str(tmp_path / "m"), str(config)]) == 0
-    assert megatron.read(tmp_path / "m").iteration == 3
+    assert main(["ckpt", "export-megatron", str(tmp_path / "j"), str(tmp_path / "m"), str(config)]) == 2
+    assert "latest_checkpointed_iteration.txt exists: jzero never overwrites" in capsys.readouterr().err
+    assert main(["ckpt", "export-megatron", str(tmp_path / "j"), str(tmp_path / "m3"), str(config)]) == 0
+    assert megatron.read(tmp_path / "m3").iteration == 3
 
 
 @pytest.mark.parametrize(
@@ -223,6 +227,21 @@ def test_cli_bad_input_is_one_line(argv, flags, needle, tmp_path, capsys):
     assert main(["ckpt", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and err.startswith("jzero: error: "), err
+
+
+def test_a_fifo_as_the_names_file_is_refused_not_read(tmp_path, capsys):
+    """Reading a named pipe blocks until something writes to it: forever."""
+    os.mkfifo(tmp_path / "names.fifo")
+    argv = ["ckpt", "import-megatron", str(GPT / "llama" / "ckpt_torch_dist"), str(tmp_path / "out"),
+            str(_yaml(tmp_path, LLAMA)), "--names", str(tmp_path / "names.fifo")]  # fmt: skip
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "reading the FIFO blocked"
+    assert codes == [2]
+    err = capsys.readouterr().err.strip()
+    assert err == f"jzero: error: names file {tmp_path / 'names.fifo'} is not a regular file", err
 
 
 def test_exported_flags_name_megatrons_gelu():

@@ -7,13 +7,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jzero.cli import main
+from jzero.errors import CheckpointError
+from jzero.train import ckpt_dir
 from jzero.train.ckpt_step import read_meta
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
@@ -48,6 +52,16 @@ def step_dir(ck: Path, step: int) -> Path:
 
 def saved_steps(ck: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in ck.glob("step_" + "[0-9]" * 8) if (p / "commit_success.txt").exists())
+
+
+def bounded(fn, *args, seconds=30):
+    """fn(*args), asserted to return within `seconds` (a daemon thread: a hang fails the test, not the session)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn.__name__}{args} did not return in {seconds} s"
+    return result[0]
 
 
 def one_line(err: str) -> str:
@@ -235,6 +249,64 @@ def test_checkpoint_dir_that_is_a_file_fails_before_training(capsys, tmp_path):
     assert main(argv) == 2
     assert "is a file, not a directory" in one_line(capsys.readouterr().err)
     assert (tmp_path / "ck").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("runs", [["x"], [{}], [{"started": 1, "host": "h"}]])
+def test_a_damaged_marker_is_one_line(runs, capsys, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ckpt_dir.MARKER).write_text(json.dumps({"format": ckpt_dir.FORMAT, "runs": runs}))
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck)]
+    for args in (argv, argv + ["--resume"], ["ckpt", "info", str(ck)]):
+        assert main(args) == 2
+        assert f"{ck}: {ckpt_dir.MARKER} is damaged" in one_line(capsys.readouterr().err)
+
+
+def test_a_symlink_loop_as_checkpoint_dir_is_one_line(capsys, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=loop)]
+    for args in (argv, argv + ["--resume"]):
+        assert main(args) == 2
+        assert f"checkpoint.dir {loop} cannot be resolved" in one_line(capsys.readouterr().err)
+    with pytest.raises(CheckpointError, match=f"^checkpoint.dir {loop} cannot be resolved"):
+        ckpt_dir.claim(loop, "sha", resume=False)
+
+
+def test_a_fifo_as_the_marker_is_refused_not_read(capsys, tmp_path):
+    """Reading a named pipe blocks until something writes to it: forever."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    os.mkfifo(ck / ckpt_dir.MARKER)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2), "--resume", str(ck)]
+    for args in (["ckpt", "info", str(ck)], ["ckpt", "info", "--verify", str(ck)], argv):
+        assert bounded(main, args) == 2
+        assert f"{ck}: {ckpt_dir.MARKER} is not a regular file" in one_line(capsys.readouterr().err)
+
+
+def test_verify_without_a_complete_step_is_refused_as_info_is(capsys, tmp_path):
+    ck = tmp_path / "ck"
+    ckpt_dir.claim(ck, "sha", resume=False).release()  # the marker only
+    for contents in ([], ["step_00000002.orbax-checkpoint-tmp"]):  # ... and a save that never committed
+        for name in contents:
+            (ck / name).mkdir()
+        for args in (["ckpt", "info", str(ck)], ["ckpt", "info", "--verify", str(ck)]):
+            assert main(args) == 2
+            assert f"no complete checkpoint in {ck}" in one_line(capsys.readouterr().err)
+
+
+def test_verify_drops_the_noise_of_orbaxs_abandoned_reads(monkeypatch, capsys, tmp_path):
+    """A damaged step's reads, abandoned, end in 'Event loop is closed' tracebacks after jzero's line:
+    --verify installs the hook that drops them (`jzero.train.unraisable`), as the Checkpointer does."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    ckpt_dir.claim(tmp_path, "sha", resume=False).release()
+    assert main(["ckpt", "info", "--verify", str(tmp_path)]) == 2
+    capsys.readouterr()
+    closed, other = RuntimeError("Event loop is closed"), ValueError("mine")
+    for e in (closed, other):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=e, object=None))
+    assert [u.exc_value for u in seen] == [other]
 
 
 # ---------------------------------------------------------------- integrity

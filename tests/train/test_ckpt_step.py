@@ -1,13 +1,17 @@
 """jzero.train.ckpt_step: a saved step's arrays as nested dicts named by path, and the fit check a restore
 makes against them (no files: the items as the Checkpointer hands them to orbax)."""
 
+import os
+import threading
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 from jzero.errors import CheckpointError
-from jzero.train.ckpt_step import check_fits, from_nested, names, to_nested
+from jzero.train import ckpt_dir
+from jzero.train.ckpt_step import check_fits, from_nested, names, read_meta, to_nested
 
 
 def state():
@@ -46,3 +50,28 @@ def test_a_step_fits_a_model_of_its_shapes_and_dtypes_whatever_its_step():
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state())
     with pytest.raises(CheckpointError, match=r"^checkpoint step 6: dtypes differ for \['opt_state/0/mu/bias'"):
         check_fits(6, "ck", meta_of(half), target)
+
+
+def test_a_fifo_as_the_metadata_is_a_damaged_step_not_a_hang(tmp_path):
+    """Reading a named pipe blocks until something writes to it: forever; a step whose meta is one is damaged."""
+    step = tmp_path / "step_00000002"
+    (step / "state").mkdir(parents=True)
+    (step / "meta").mkdir()
+    os.mkfifo(step / "meta" / "metadata")
+    errors, found = [], []
+
+    def read():
+        found.append(ckpt_dir.is_step(step))
+        try:
+            read_meta(tmp_path, 2)
+        except CheckpointError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "reading the FIFO blocked"
+    assert found == [True]  # jzero's two items, meta unreadable: a damaged step, which restoring reports
+    assert errors == [
+        f"checkpoint step 2 in {tmp_path}: metadata unreadable ({step}/meta/metadata is not a regular file)"
+    ]

@@ -28,3 +28,14 @@ def test_any_other_directory_must_be_jzeros(tmp_path):
     (tmp_path / "foreign").mkdir()
     with pytest.raises(CheckpointError, match="is not a jzero checkpoint directory"):
         resolve_resume_dir(tiny_config(), str(tmp_path / "foreign"))
+
+
+def test_a_symlink_loop_is_one_line(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(CheckpointError, match=f"^--resume {loop} cannot be resolved: "):
+        resolve_resume_dir(tiny_config(), str(loop))
+    with pytest.raises(CheckpointError, match=f"^checkpoint.dir {loop} cannot be resolved: "):
+        resolve_resume_dir(tiny_config(checkpoint={"dir": str(loop)}), None)
+    with pytest.raises(CheckpointError, match=f"^checkpoint.dir {loop} cannot be resolved: "):
+        resolve_resume_dir(tiny_config(checkpoint={"dir": str(loop)}), str(tmp_path))
