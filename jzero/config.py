@@ -168,7 +168,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {yaml_key(f): f.name for f in dataclasses.fields(cls) if yaml_key(f) is not None}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # key=str: YAML may give a key that is no string (`1:`)
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {', '.join(sorted(fields))})")
     missing = [
@@ -204,7 +204,7 @@ def _build_model(raw: Any, prefix: str) -> ModelConfig:
     if own_class is None:
         return _build(ModelConfig, raw, prefix)
     own_keys = {yaml_key(f) for f in dataclasses.fields(own_class)}
-    unknown = sorted(set(raw) - set(MODEL_HARNESS_KEYS) - own_keys)
+    unknown = sorted(set(raw) - set(MODEL_HARNESS_KEYS) - own_keys, key=str)
     if unknown:
         known = ", ".join(sorted({*MODEL_HARNESS_KEYS, *own_keys}))
         raise ConfigError(f"unknown config key {prefix}{unknown[0]} (known: {known})")
@@ -256,14 +256,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     raw = {}
     if path is not None:
         path = _config_path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory, not a file")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not UTF-8 text") from None
+        except OSError as e:  # unreadable: permissions, a FIFO gone, ...
+            raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:  # str(e) spans several lines
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or e
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]  # a ReaderError: a NUL, ...
             raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
         if not isinstance(raw, dict):  # before --set, which would index into it
             raise ConfigError(
@@ -280,7 +288,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 def _config_path(path: str | Path):
     """`path`, or the preset it names: a name with no directory and no suffix (`llama2_7b`) that is no file here."""
     path = Path(path)
-    if path.is_file() or path.parent != Path(".") or path.suffix:
+    if path.exists() or path.parent != Path(".") or path.suffix:  # a directory too: load_config names it
         return path
     preset = PRESETS / f"{path.name}.yaml"
     if not preset.is_file():

@@ -12,6 +12,7 @@ no JAX: it imports an optax optimizer named in the config (`optax_function`), wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -54,6 +55,30 @@ def keyed(section: str, error: ConfigError) -> ConfigError:
 def _positive(key: str, value: int | float) -> None:
     if not value > 0:  # NaN too
         raise ConfigError(f"{key}={value} must be positive")
+
+
+# The counts a compiled step holds or compares in int32 (the step, the schedule's warmup and decay, the loss
+# scale's and spike guard's counters, Newton-Schulz's loop): each must be below 2**31.
+INT32_COUNTS = (
+    "train.steps",
+    "train.grad_norm_spike_window",
+    "optimizer.warmup_steps",
+    "optimizer.muon.ns_steps",
+    "precision.loss_scale_window",
+    "precision.hysteresis",
+)
+# `train.seed` seeds numpy's generators (non-negative) and `jax.random.key` (a C long): [0, 2**63).
+SEED_BOUND = 2**63
+
+
+def _check_counts(cfg: Config) -> None:
+    """`INT32_COUNTS` below 2**31 and `train.seed` in [0, 2**63): larger fail in JAX as an OverflowError."""
+    for key in INT32_COUNTS:
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value >= 2**31:
+            raise ConfigError(f"{key}={value} must be < 2**31 (a count the compiled step holds in int32)")
+    if not 0 <= cfg.train.seed < SEED_BOUND:
+        raise ConfigError(f"train.seed={cfg.train.seed} must be in [0, 2**63)")
 
 
 def _check_finite(prefix: str, section: Any) -> None:
@@ -309,6 +334,7 @@ def validate(cfg: Config) -> None:
             _positive(f"model.{f.name}", value)
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
+    _check_counts(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if not isinstance(section, (ZeroConfig, MeshConfig)):  # the library's sections checked themselves

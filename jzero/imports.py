@@ -28,8 +28,8 @@ def import_object(key: str, path: str, what: str = "Class", default_module: str 
     """The object `path` names: "package.module:Name" (Name may be dotted: "module:Class.attr"); with
     `default_module`, also "package.module.name" and a bare "name" (an attribute of `default_module`).
 
-    Raises ConfigError naming `key` when `path` has no such form, its module cannot be imported, or the
-    module has no such name.
+    Raises ConfigError naming `key` when `path` has no such form, its module cannot be imported (or fails,
+    or exits, when it runs), or the module has no such name.
     """
     module_name, sep, name = path.partition(":")
     if not sep and default_module is not None:
@@ -41,8 +41,10 @@ def import_object(key: str, path: str, what: str = "Class", default_module: str 
     default_platforms()
     try:
         obj = importlib.import_module(module_name)
-    except ImportError as e:  # ModuleNotFoundError too: the module, or one it imports
-        raise ConfigError(f"{key}={path!r}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    except (Exception, SystemExit) as e:  # ImportError, or the module failed running: SyntaxError, sys.exit(), ...
+        first = str(e).strip().partition("\n")[0]  # a message may span lines
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise ConfigError(f"{key}={path!r}: cannot import {module_name} ({why})") from None
     for part in name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

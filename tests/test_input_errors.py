@@ -118,3 +118,93 @@ def test_a_fresh_run_into_another_runs_out_is_refused(files, tmp_path, capsys):
     assert err.startswith(f"jzero: error: --out {tmp_path} holds another run's {' and '.join(files)}")
     assert "--resume" in err
     assert all((tmp_path / f).read_text() == "theirs\n" for f in files)
+
+
+def test_config_file_that_is_not_utf8(tmp_path, capsys):
+    """Before, a UnicodeDecodeError traceback."""
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\x00\x01\xff\xfe")
+    assert error_line(["train", str(path)], capsys) == f"jzero: error: config file {path} is not UTF-8 text"
+
+
+def test_config_file_with_a_nul(tmp_path, capsys):
+    """UTF-8, but a character YAML refuses: before, a message of two lines."""
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\x00\x01")
+    err = error_line(["train", str(path)], capsys)
+    assert err.startswith(f"jzero: error: config file {path} is not valid YAML: unacceptable character #x0000")
+
+
+@pytest.mark.parametrize("name", ["c.yaml", "conf"])
+def test_config_path_that_is_a_directory(name, tmp_path, capsys, monkeypatch):
+    """Before, "does not exist" (or, for a bare name, "no file and no preset")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).mkdir()
+    assert error_line(["train", name], capsys) == f"jzero: error: config file {name} is a directory, not a file"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("1: a\nfoo: b\n", "1"),
+        ("train:\n  1: a\n  foo: b\n", "train.1"),
+        ("model:\n  1: a\n  foo: b\n", "model.1"),
+        ("model:\n  impl: helpers.toy_model:ToyModelWithOwnKeys\n  1: a\n  foo: b\n", "model.1"),
+        ("optimizer:\n  param_groups:\n    - {pattern: a, 1: b, foo: c}\n", "optimizer.param_groups[0].1"),
+    ],
+)
+def test_config_key_that_is_not_a_string(text, key, tmp_path, capsys):
+    """Before, a TypeError traceback: sorting the unknown keys compared an int with a str."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert error_line(["train", str(path)], capsys).startswith(f"jzero: error: unknown config key {key} (known: ")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.seed=-1", "train.seed=-1 must be in [0, 2**63)"),
+        ("train.seed=9223372036854775808", "train.seed=9223372036854775808 must be in [0, 2**63)"),
+        *(
+            (f"{key}=2147483648", f"{key}=2147483648 must be < 2**31 (a count the compiled step holds in int32)")
+            for key in ("train.steps", "optimizer.warmup_steps", "precision.loss_scale_window", "precision.hysteresis")
+        ),
+        ("optimizer.warmup_steps=99999999999999999999999",
+         "optimizer.warmup_steps=99999999999999999999999 must be < 2**31 (a count the compiled step holds in int32)"),
+    ],
+)
+def test_seed_and_counts_out_of_range(override, message, tmp_path, capsys):
+    """Before, a ValueError or OverflowError traceback from numpy's generator, jax.random.key or a jitted int32."""
+    assert error_line(["train", "--out", str(tmp_path), "--set", override], capsys) == f"jzero: error: {message}"
+
+
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        ("def f(:\n", "SyntaxError: invalid syntax"),
+        ("raise RuntimeError('boom\\nsecond line')\n", "RuntimeError: boom)"),
+        ("import sys\nsys.exit(0)\n", "SystemExit: 0)"),
+    ],
+)
+@pytest.mark.parametrize("key", ["model.impl", "optimizer.optax.name"])
+def test_module_that_fails_at_import(source, why, key, tmp_path, capsys, monkeypatch):
+    """Before, the module's traceback (and for sys.exit(0), exit code 0 and no word)."""
+    module = f"jzero_bad_{abs(hash((source, key)))}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sets = ["--set", "optimizer.name=optax"] if key == "optimizer.optax.name" else []
+    err = error_line(["train", "--out", str(tmp_path / "run"), *sets, "--set", f"{key}={module}:M"], capsys)
+    assert err.startswith(f"jzero: error: {key}='{module}:M': cannot import {module} ({why}")
+
+
+def test_model_with_no_param_elements(tmp_path, capsys, monkeypatch):
+    """Refused where the run is built (JAX is up: the test session's 8 CPU devices); before, a
+    ZeroDivisionError traceback from the memory pre-flight's bytes per param."""
+    monkeypatch.setattr(cli, "_start", lambda *_: None)
+    argv = ["train", "--quiet", "--out", str(tmp_path / "run"), "--set", "data.kind=synthetic",
+            "--set", "model.impl=helpers.toy_model:ToyModelWithOwnKeys", "--set", "model.d_model=0"]  # fmt: skip
+    err = error_line(argv, capsys)
+    assert err == (
+        "jzero: error: the model has no parameter elements (its 5 params have 0 elements each): "
+        "a ZeRO step has nothing to train"
+    )

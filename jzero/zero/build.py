@@ -298,6 +298,10 @@ def build_zero(
             "float16 params need loss scaling (their grads underflow without it): pass "
             "loss_scale=jzero.zero.DynamicLossScale() to build_zero"
         )
+    leaves = jax.tree.leaves(abstract_params)
+    if sum(math.prod(p.shape) for p in leaves) == 0:  # Megatron's bytes per param (`jzero.zero.memory`) divide by it
+        what = f"its {len(leaves)} params have 0 elements each" if leaves else "it has no params"
+        raise ConfigError(f"the model has no parameter elements ({what}): a ZeRO step has nothing to train")
     check_empty_params(abstract_params, jaxlib.__version__)
     plan = make_plan(mesh, zero.stage, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
     check_runs(inner, plan, groups)

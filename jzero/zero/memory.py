@@ -143,7 +143,7 @@ def formula_host(zero: Zero) -> dict:
             by_domain[t.dp_axes] = by_domain.get(t.dp_axes, 0) + local
     out = {"main_params": 0.0, "optimizer_moments": 0.0}
     for dom in formula_domains(zero).values():
-        share = by_domain.get(tuple(dom["axes"]), 0) / dom["numel"]
+        share = by_domain.get(tuple(dom["axes"]), 0) / dom["numel"] if dom["numel"] else 0.0  # its params all empty
         for k in out:
             out[k] += dom[k] * share
     return out
