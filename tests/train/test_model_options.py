@@ -302,7 +302,8 @@ def test_selective_remat_recomputes_the_attention_core_only():
         jax.tree.map(close, results[remat], results["none"])
 
 
-@pytest.mark.parametrize("path", ["spec", pytest.param("flat", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["spec", "flat"])
+@pytest.mark.slow
 def test_chunked_loss_trains_like_plain_optax_in_a_zero_step(path):
     """model.loss_chunk inside the ZeRO step's shard_map (before: a scan carry typed DP-invariant, every value
     refused by JAX's type check there), a chunk that does not divide a rank's 2 x 16 tokens."""
