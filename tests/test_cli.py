@@ -130,7 +130,8 @@ def test_train_writes_metrics_and_summary(tmp_path, capsys):
     assert f"validation loss {rows[-1]['val_loss']:.4f} at step 4" in out
 
 
-@pytest.mark.parametrize("path", ["spec", pytest.param("owned", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["spec", "owned"])
+@pytest.mark.slow
 def test_muon_trains(tmp_path, path):
     """`optimizer.name: muon` (Megatron's Muon for the matrices, AdamW for the rest) trains the tiny GPT, on the
     spec layout and on the owned one (each matrix stepped whole by its owner)."""

@@ -103,6 +103,7 @@ def build(model: str, path: str, strategy: str, dp: int = 4, tp: int = 2, unit_b
 # ---------------------------------------------------------------- fidelity
 
 
+@pytest.mark.slow
 def test_the_docs_linen_run_matches_plain_optax():
     """docs/flax.md's Linen training block, verbatim: ZeRO-3 on the flat path over dp 4 x tp 2, a tp-local module
     with its row-parallel `out` and `fc2`, one FSDP unit per block, each named by the default rule."""

@@ -206,6 +206,7 @@ def test_a_directory_jzero_did_not_create_is_never_written(folders, capsys, tmp_
     assert "not a jzero checkpoint directory" in one_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_path):
     root, _ = base
     ck = tmp_path / "ck"

@@ -185,7 +185,9 @@ HIDDEN = {  # not element-wise, and the old probe's two steps could not tell: th
 }
 
 
-@pytest.mark.parametrize("name", list(HIDDEN))
+@pytest.mark.parametrize(
+    "name", [n if n == "multi_steps_masked" else pytest.param(n, marks=pytest.mark.slow) for n in HIDDEN]
+)
 def test_chains_whose_difference_shows_after_two_steps_are_refused(name):
     """The probe runs a MultiSteps or apply_every chain for 64 steps, and compares the state's scalars
     (the owned path's: tests/zero/owned/test_layout.py)."""
