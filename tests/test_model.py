@@ -100,6 +100,7 @@ def test_jzero_hlo_and_memory_report_the_toy_model(tmp_path, capsys):
         assert 0 <= s["state"]["optimizer_moments"] - s["formula"]["optimizer_moments"] <= 16  # Adam's counters
 
 
+@pytest.mark.slow
 def test_a_model_with_a_zero_size_param_checkpoints_and_resumes(tmp_path, capsys):
     """orbax saves no 0-size array; the checkpoint leaves `prefix[0, D]` out of its arrays, lists it, and
     makes it again on restore: a run resumed at step 2 takes step 3 as the straight run does. Where

@@ -136,6 +136,7 @@ def test_hsdp_zero1_with_overlap_reduces_inner_then_across_dp_outer(outer):
     assert in_loop(doc, "reduce-scatter")  # per unit, in the backward's layer loop
 
 
+@pytest.mark.slow
 def test_hsdp_ddp_with_overlap_is_a_hierarchical_all_reduce():
     """DDP on dp_outer=2 x dp=4 with overlap_grad_reduce (the default): each grad is reduce-scattered
     over dp in the backward, its 1/d_i all-reduced across dp_outer and all-gathered back over dp: DDP's

@@ -100,6 +100,7 @@ def test_peak_attention_scores_saved_for_backward():
     assert by["attention"] == max(by.values()) and p.buffers[0].function.endswith(".attention")
 
 
+@pytest.mark.slow
 def test_zero2_step_reports_peak_on_cpu():
     c = compile_step(tiny_config("optim_grads", microbatches=2))
     pk = peak.peak_report(c)

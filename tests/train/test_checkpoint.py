@@ -351,6 +351,7 @@ def test_unreadable_metadata_is_a_damaged_step_not_a_missing_one(base, capsys, t
     assert len(list((ck / "damaged").iterdir())) == 2 and not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_truncated_step_falls_back_quietly_moves_aside_and_is_saved_again(base, capsys, tmp_path):
     root, rows = base
     ck = tmp_path / "ck"

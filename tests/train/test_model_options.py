@@ -283,6 +283,7 @@ def test_remat_reads_megatrons_granularities_and_booleans(value, kind):
     assert load_config(None, [f"model.remat={value}"]).model.remat.value == kind
 
 
+@pytest.mark.slow
 def test_selective_remat_recomputes_the_attention_core_only():
     """model.remat=selective (Megatron's selective recompute) keeps the projections' and MLP's matmul outputs
     and recomputes the rest: per block the two attention matmuls (they have batch dims) run again, where full

@@ -236,6 +236,7 @@ def test_ties_keep_token_order():
         assert routing_map[:, 0].tolist() == [True, True, False, False, False, False], policy
 
 
+@pytest.mark.slow
 def test_dropped_frac_is_exactly_zero_when_nothing_is_dropped():
     """The issue's third point: `dropped_frac` read about 4e-9 with nothing dropped (1 - a float mean)."""
     from jzero.config import ModelConfig, MoEConfig

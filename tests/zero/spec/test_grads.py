@@ -58,6 +58,7 @@ def test_every_schedule_matches_single_device_optax(strategy, microbatches, mesh
     assert_matches(cfg)
 
 
+@pytest.mark.slow
 def test_params_rest_sharded_and_read_whole():
     """ZeRO-2 with overlap_param_gather: the step leaves the params split over DP (1/d of them per
     device), a user reading `state.params` gets the whole values, and `evaluate` gives the step's loss."""
