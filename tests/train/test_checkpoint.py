@@ -226,6 +226,7 @@ def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_pat
     assert saved_steps(ck) == [8] and (ck / "step_00000009").is_dir()
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(capsys, tmp_path):
     ck = tmp_path / "ck"
     holder = subprocess.Popen(

@@ -264,6 +264,7 @@ def test_forced_cudnn_attention_on_cpus_is_refused_when_built():
         build_run(cfg, jax.devices()[:1])
 
 
+@pytest.mark.slow
 def test_bf16_embedding_grad_is_summed_in_fp32():
     """A bf16 model's token-embedding grad is each token's grads summed in fp32 and rounded once: on a batch
     of 8k tokens drawn from 40 ids it is about as close to the fp32 model's as the other bf16 grads (5.0e-3 of

@@ -151,6 +151,7 @@ def test_expert_bias_matches_single_device(strategy, mesh, microbatches, path, m
     assert bias.shape == (1, 4) and np.any(bias != 0)
 
 
+@pytest.mark.slow
 def test_the_expert_bias_changes_the_routing_within_the_steps():
     """What makes the test above able to fail: the reference's losses with the bias moving differ from
     those with it frozen (rate 0), so a bias jzero moved wrongly would show in the losses too."""

@@ -601,6 +601,7 @@ def test_bias_update_is_megatrons_sign_rule():
     np.testing.assert_array_equal(moe.updated_expert_bias(bias, 2 * counts, 0.1), got)
 
 
+@pytest.mark.slow
 def test_aux_loss_free_top2_router():
     """test_routers.py::TestAuxLossFreeTop2Router (8 experts, top-2, hidden 12, sigmoid, bias rate 0.1,
     no aux loss) and test_expert_bias_token_counts: each token counts once per chosen expert (dropless:

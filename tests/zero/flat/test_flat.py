@@ -32,6 +32,7 @@ def _compiled_collectives(run):
     return [(c, set(axes_of_groups(c.replica_groups, run.mesh))) for c in parse_collectives(text)]
 
 
+@pytest.mark.slow
 def test_zero2_step_reduce_scatters_and_all_gathers_the_buffer():
     cfg = tiny_config("optim_grads", (4, 1, 2), zero={"path": "flat", "bucket_size": 5000, **WHOLE})
     run = setup(cfg)
