@@ -54,8 +54,11 @@ JZERO_IMPLS = {
     "jzero-spec-no-overlap": ["zero.path=spec", "zero.overlap_grad_reduce=false"],
     "jzero-flat": ["zero.path=flat"],
     "jzero-flat-no-overlap": ["zero.path=flat", "zero.overlap_grad_reduce=false"],
+    # the two overlaps apart: per-unit buckets reduced in the backward, the params gathered whole after the update
+    "jzero-flat-no-gather-overlap": ["zero.path=flat", "zero.overlap_param_gather=false"],
 }
 IMPLS = (*JZERO_IMPLS, "hand-constraints", "hand-shard_map")
+OPT_IN = ("jzero-flat-no-gather-overlap",)  # run only when --only names them
 GPU_IMPLS = ("jzero-spec", "jzero-flat", "plain-optax")
 STAGES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2"}
 HAND_STAGES = {
@@ -133,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "being the same program)",
     )
     impls = ", ".join(IMPLS + GPU_IMPLS)
-    ap.add_argument("--only", default=None, help=f"comma-separated impls (default: all of the backend's): {impls}")
+    default = f"all of the backend's but {', '.join(OPT_IN)}"
+    ap.add_argument("--only", default=None, help=f"comma-separated impls (default: {default}): {impls}")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps; the first is the checked one (>= 1)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--peak-tflops", type=float, default=H100_SXM_DENSE_BF16_TFLOPS, help="gpu: peak for MFU")
@@ -144,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")
     args.stages = tuple((args.stages or ("no_shard" if args.backend == "gpu" else ",".join(STAGES))).split(","))
     impls = IMPLS if args.backend == "cpu" else GPU_IMPLS
-    args.only = tuple(args.only.split(",")) if args.only else impls
+    args.only = tuple(args.only.split(",")) if args.only else tuple(i for i in impls if i not in OPT_IN)
     bad = [m for m in args.models if m not in MODELS] + [i for i in args.only if i not in impls]
     bad += [s for s in args.stages if s not in STAGES]
     if bad or args.warmup < 1 or args.steps < 1:
@@ -452,7 +456,13 @@ def bench_model(model: str, args, devices) -> dict:
     hand_batch = jax.device_put(base.device_batch(0), NamedSharding(mesh, P("dp")))
     impls = GPU_IMPLS if args.backend == "gpu" else IMPLS
     todo = [("jzero-spec", "no_shard")]  # first: its first step is every check's reference
-    todo += [(i, s) for i in JZERO_IMPLS if i in impls for s in STAGES if s in args.stages and (i, s) != todo[0]]
+    todo += [
+        (i, s)
+        for i in JZERO_IMPLS
+        if i in impls
+        for s in STAGES
+        if s in args.stages and (i, s) != todo[0] and not (i == "jzero-flat-no-gather-overlap" and s == "no_shard")
+    ]  # DDP gathers no params
     todo += [(impl, s) for impl, stages in HAND_STAGES.items() if impl in impls for s in stages if s in args.stages]
     configs, ref = [], None  # jzero-spec DDP comes first: its first step is the reference of every check
     for impl, strategy in todo:
