@@ -132,6 +132,14 @@ class Claim:
             self._lock_file = None
 
 
+def resolved(directory: str | Path, what: str = "checkpoint.dir") -> Path:
+    """`directory` made absolute, symlinks followed; a loop of them is one CheckpointError naming `what`."""
+    try:
+        return Path(directory).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise CheckpointError(f"{what} {directory} cannot be resolved: {e}") from None
+
+
 def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
     """Makes `directory` this run's checkpoint directory, or refuses with one line saying why.
 
@@ -140,10 +148,7 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
     without the marker, a marked directory with steps unless `resume`, and a directory another
     live run holds the lock of. Writing the marker is also the check that the directory is writable.
     """
-    try:
-        directory = Path(directory).resolve()
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        raise CheckpointError(f"checkpoint.dir {directory} cannot be resolved: {e}") from None
+    directory = resolved(directory)
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"checkpoint.dir {directory} is a file, not a directory")
     try:

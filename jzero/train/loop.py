@@ -13,10 +13,10 @@ import numpy as np
 
 from jzero import multihost, peers
 from jzero.config import Config, ConfigError
-from jzero.errors import CheckpointError, Preempted, RunError
+from jzero.errors import Preempted, RunError
 from jzero.optim import lr_schedule
 from jzero.run import Run, build_run
-from jzero.train import sinks
+from jzero.train import ckpt_dir, sinks
 from jzero.train.data import data_identity, make_datasets
 from jzero.train.preemption import Preemption
 from jzero.train.preflight import check_fits, check_floor, out_of_memory
@@ -117,10 +117,7 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
     if resume is not None and resume_dir is None and main_process:
         print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
     multihost.same_everywhere(f"--resume reads {resume_dir}", "checkpoint directories (a path not shared?)")
-    try:
-        save_dir = Path(ck.dir).resolve() if ck.dir is not None else resume_dir
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        raise CheckpointError(f"checkpoint.dir {ck.dir} cannot be resolved: {e}") from None
+    save_dir = ckpt_dir.resolved(ck.dir) if ck.dir is not None else resume_dir
     continuing = resume_dir is not None and save_dir == resume_dir
     ckpt = None
     if save_dir is not None:

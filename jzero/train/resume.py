@@ -40,21 +40,14 @@ def resolve_resume_dir(cfg: Config, resume: str | None) -> Path | None:
     directory = resume or cfg.checkpoint.dir
     if directory is None:
         raise CheckpointError("--resume needs a directory: pass one or set checkpoint.dir")
-    path = _resolved(directory, "--resume" if resume else "checkpoint.dir")
-    if cfg.checkpoint.dir is not None and path == _resolved(cfg.checkpoint.dir, "checkpoint.dir"):
+    path = ckpt_dir.resolved(directory, "--resume" if resume else "checkpoint.dir")
+    if cfg.checkpoint.dir is not None and path == ckpt_dir.resolved(cfg.checkpoint.dir):
         if not path.exists() or (path.is_dir() and not any(path.iterdir())):
             return None
         never_saved = not (path / ckpt_dir.DAMAGED).exists()  # else every step was damaged: an error below
         if path.is_dir() and ckpt_dir.read_marker(path) is not None and not ckpt_dir.steps(path) and never_saved:
             return None
     return ckpt_dir.open_for_reading(directory)
-
-
-def _resolved(directory: str | Path, what: str) -> Path:
-    try:
-        return Path(directory).resolve()
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        raise CheckpointError(f"{what} {directory} cannot be resolved: {e}") from None
 
 
 def restore_latest(

@@ -308,13 +308,32 @@ def check_runs(inner: optax.GradientTransformation, plan: ShardingPlan, groups: 
     abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32), plan.tensors)
     values = None if groups is None else per_param_values(groups)
     try:
-        jax.eval_shape(lambda p: inner_update(inner, p, inner.init(p), p, values), abstract)
+        _trace_update(inner, abstract, values)
     except TypeError as e:
         raise ConfigError(
             f"{transformation_name(inner)} cannot run in a ZeRO step, which calls update(grads, state, params"
             f"{', param_groups=...' if groups is not None else ''}) and nothing more ({str(e).splitlines()[0][:160]}); "
             "a transformation that needs the loss (value=) is not supported"
         ) from None
+
+
+def check_runs_owning_nothing(inner: optax.GradientTransformation, plan: ShardingPlan, ranks: int) -> None:
+    """Raises ConfigError unless `inner` steps a tree of `optax.MaskedNode`s only, as a rank of the owned layout
+    that owns no param does (more ranks than params to own): optax.contrib.galore fails there. Traced only."""
+    treedef = jax.tree.structure(plan.tensors)
+    try:
+        _trace_update(inner, treedef.unflatten([optax.MaskedNode()] * treedef.num_leaves), None)
+    except Exception as e:  # any failure of the user's chain on an empty tree
+        raise ConfigError(
+            f"zero.path=owned: some of the {ranks} ranks own no param here, and {transformation_name(inner)} fails "
+            f"on a rank that owns none ({type(e).__name__}: {str(e).splitlines()[0][:120]}); use fewer DP ranks "
+            "than params, or zero.path=spec"
+        ) from None
+
+
+def _trace_update(inner, params: PyTree, groups: GroupValues | None) -> None:
+    """`inner`'s init and one update on `params` (abstract, or MaskedNodes) as the step calls it, traced."""
+    jax.eval_shape(lambda p: inner_update(inner, p, inner.init(p), p, groups), params)
 
 
 def check_groups_read(inner: optax.GradientTransformation, plan: ShardingPlan, groups: PyTree | None) -> None:

@@ -52,7 +52,7 @@ from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common import spike
 from jzero.zero.common.batch import split_batch
 from jzero.zero.common.offload import no_offload
-from jzero.zero.common.probe import check_per_tensor, transformation_name
+from jzero.zero.common.probe import check_per_tensor, check_runs_owning_nothing, transformation_name
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import TrainState, ZeroState, keeps_main_params, loss_parts, model_state_shardings
 from jzero.zero.common.strategies import restrict
@@ -204,20 +204,6 @@ def _state_cost(inner: optax.GradientTransformation, plan) -> list[float]:
     return [n / max(1, t.numel) for n, t in zip(state, tensors)]
 
 
-def _check_runs_on_nothing(inner: optax.GradientTransformation, treedef, ranks: int) -> None:
-    """Raises ConfigError unless `inner` steps a tree of `optax.MaskedNode`s only, as a rank that owns no param
-    does (more ranks than params to own): optax.contrib.galore fails there. Traced only."""
-    nothing = treedef.unflatten([MASKED] * treedef.num_leaves)
-    try:
-        jax.eval_shape(lambda: inner_update(inner, nothing, inner.init(nothing), nothing, None))
-    except Exception as e:  # any failure of the user's chain on an empty tree
-        raise ConfigError(
-            f"zero.path=owned: some of the {ranks} ranks own no param here, and {transformation_name(inner)} fails "
-            f"on a rank that owns none ({type(e).__name__}: {str(e).splitlines()[0][:120]}); use fewer DP ranks "
-            "than params, or zero.path=spec"
-        ) from None
-
-
 def owned_layout(inputs: LayoutInputs) -> Layout:
     """The owned layout of a run (module docstring): its shardings and traceable programs."""
     plan, options, config, model_state, inner = (
@@ -237,7 +223,7 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
     tensors = jax.tree.leaves(plan.tensors)
     n_leaves, axes, n = len(tensors), owned.axes, owned.ranks
     if any(not any(owned.owned_layers(b, i) for i in range(n_leaves)) for b in range(n)):
-        _check_runs_on_nothing(inner, treedef, n)
+        check_runs_owning_nothing(inner, plan, n)
     keep_main = keeps_main_params(tensors)
     state = _State(inner, owned, treedef)
     values = None if inputs.groups is None else groups_lib.per_param_values(inputs.groups)
