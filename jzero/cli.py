@@ -61,26 +61,58 @@ def _cmd_train(args) -> int:
         return _train_command(args, preemption)
 
 
+def _claim_run_dir(root: Path = Path("runs"), tries: int = 100) -> Path:
+    """Creates and returns a new directory `root/<YYYYmmdd-HHMMSS>` for a run given no --out.
+
+    Claimed with an exclusive `os.mkdir`, so two runs started in the same second never share one
+    (nor its metrics.jsonl): a name that exists already, as a directory or a file, is skipped for
+    `<timestamp>-1`, `-2`, ... up to `tries` names; then one ConfigError line. Creates `root`
+    (with its parents) if missing; starts no JAX.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(tries):
+            out = root / (f"{stamp}-{i}" if i else stamp)
+            try:
+                os.mkdir(out)
+                return out
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise ConfigError(f"output directory {root / stamp}: cannot create it: {e.strerror or e}") from None
+    raise ConfigError(
+        f"output directory {root / stamp}: it and {stamp}-1 .. -{tries - 1} all exist already; choose --out"
+    )
+
+
 def _train_command(args, preemption) -> int:
     cfg = load_config(args.config, args.set)
     if args.resume_fallback and args.resume is None:
         raise ConfigError("--resume-fallback only applies with --resume")
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    # No --out: a new runs/<timestamp>, claimed below once the input is checked (`_claim_run_dir`).
+    out = Path(args.out) if args.out else Path("runs")
     # Before JAX starts, and creating nothing: could `train` make `out` and write in it?
-    name = f"--out {out}" if args.out else f"output directory {out}"
+    name = f"--out {out}" if args.out else f"output directory {out}/<timestamp>"
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         what = "a file, not a directory" if existing.is_file() else "not a directory"
-        raise ConfigError(f"{name} is {what}" if existing == out else f"{name}: {existing} is {what}")
+        raise ConfigError(f"{name} is {what}" if args.out and existing == out else f"{name}: {existing} is {what}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name}: directory {existing} is not writable")
-    if args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues another run's files
+    if args.out and args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues its files
         written = [f for f in ("metrics.jsonl", "summary.json") if (out / f).exists()]
         if written:
             raise ConfigError(
                 f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
                 "choose a new --out, or continue that run with --resume"
             )
+    if not args.out:
+        _multiprocess(args)  # its flags checked before anything is created (`_start` checks them again)
+        if args.process_id in (None, 0):
+            out = _claim_run_dir(out)
+        else:  # a known process > 0 never writes in `out` (process 0's, claimed there): claim no empty sibling
+            out = out / time.strftime("%Y%m%d-%H%M%S")
     _start(cfg, args)
     preemption.reinstall()  # a multi-process join installs JAX's own SIGTERM handler
     from jzero.train import report
@@ -183,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a GPT (or the model.impl model) with a ZeRO strategy")
     with_config(t)
-    t.add_argument("--out", help="output directory (default: runs/<timestamp>)")
+    t.add_argument("--out", help="output directory (default: a new runs/<timestamp>, or <timestamp>-1, ... if taken)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument(
         "--resume", nargs="?", const="", metavar="DIR",

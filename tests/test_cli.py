@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from jzero import cli
 from jzero.cli import main
-from jzero.config import Config, load_config, presets
+from jzero.config import Config, ConfigError, load_config, presets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64"]
@@ -109,6 +110,55 @@ def test_cli_process_exit_code_and_no_traceback():
     assert proc.returncode == 2
     assert "model.d_model=128 must be divisible by model.n_heads=3" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+STAMP = "20250102-030405"
+
+
+@pytest.fixture
+def same_second(tmp_path, monkeypatch):
+    """In a fresh working directory, every `time.strftime` answers the same second."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt, *t: STAMP)
+    return tmp_path
+
+
+def test_default_out_dirs_claimed_in_the_same_second_differ(same_second):
+    """Before, both runs wrote into runs/<timestamp> and into each other's metrics.jsonl."""
+    first, second = cli._claim_run_dir(), cli._claim_run_dir()
+    assert (first, second) == (Path("runs", STAMP), Path("runs", f"{STAMP}-1"))
+    assert first.is_dir() and second.is_dir()
+    assert sorted(p.name for p in (same_second / "runs").iterdir()) == [STAMP, f"{STAMP}-1"]
+
+
+def test_default_out_dir_skips_a_file_named_like_its_timestamp(same_second):
+    (same_second / "runs").mkdir()
+    (same_second / "runs" / STAMP).write_text("theirs")
+    assert cli._claim_run_dir() == Path("runs", f"{STAMP}-1")
+    assert (same_second / "runs" / STAMP).read_text() == "theirs"
+    with pytest.raises(ConfigError, match=f"{STAMP}-1 .. -1 all exist already; choose --out"):
+        cli._claim_run_dir(tries=2)
+
+
+@pytest.mark.parametrize(
+    "argv, claimed",
+    [
+        (["--set", "model.n_heads=3"], []),  # a bad config leaves nothing behind
+        (["--process-id", "0"], []),  # nor do bad multi-process flags
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"], []),  # process 0 claims
+        ([], [STAMP]),  # input checked: claimed just before JAX starts
+    ],
+)
+def test_default_out_dir_is_claimed_only_once_the_input_is_checked(argv, claimed, same_second, capsys, monkeypatch):
+    def start(*_):
+        raise ConfigError("stopped where JAX would start")
+
+    monkeypatch.setattr(cli, "_start", start)
+    assert main(["train", "--quiet", *argv]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    runs = same_second / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == claimed if claimed else not runs.exists()
+    assert all(not any((runs / name).iterdir()) for name in claimed)
 
 
 @pytest.mark.slow
