@@ -165,7 +165,10 @@ def _cmd_layout(args) -> int:
     import dataclasses
     import json
 
+    from jzero.inspect.layout import check_config_rank, check_rank  # imports no JAX
+
     cfg = load_config(args.config, args.set)
+    check_config_rank(args.rank, cfg)  # before JAX starts, where the mesh sizes say
     if cfg.zero.path == ZeroPath.OWNED:  # whole-tensor ownership: which rank owns which param (or layer)
         return _owned_layout(cfg, args)
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, path=ZeroPath.FLAT))  # the flat path's layout
@@ -174,14 +177,15 @@ def _cmd_layout(args) -> int:
     from jzero.run import build_run
 
     d = describe(build_run(cfg).zero.flat)
-    if not 0 <= args.rank < d["buffer"]["dp_size"]:
-        raise ConfigError(f"--rank {args.rank} is outside the data-parallel group of size {d['buffer']['dp_size']}")
+    check_rank(args.rank, d["buffer"]["dp_size"])
     print(json.dumps(d, indent=1) if args.json else format_layout(d, args.rank))
     return 0
 
 
 def _owned_layout(cfg, args) -> int:
     import json
+
+    from jzero.inspect.layout import check_rank
 
     _start(cfg)
     import jax
@@ -191,6 +195,7 @@ def _owned_layout(cfg, args) -> int:
 
     zero = build_run(cfg).zero
     owned, names = zero.layout.owned, [t.name for t in jax.tree.leaves(zero.plan.tensors)]
+    check_rank(args.rank, owned.domains[0].d)  # the dense domain's ranks
     if args.json:
         doms = [{"axes": list(d.axes), "segment": d.size, "owners": [
             [{"param": names[p.leaf], "layer": p.layer, "offset": p.offset, "numel": p.numel} for p in d.owned(r)]

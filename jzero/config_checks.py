@@ -69,6 +69,11 @@ INT32_COUNTS = (
 )
 # `train.seed` seeds numpy's generators (non-negative) and `jax.random.key` (a C long): [0, 2**63).
 SEED_BOUND = 2**63
+# `train.host_devices`: XLA's CPU client makes every simulated device when JAX starts, in time and memory
+# linear in their number (4096: ~7 s and ~0.7 GB on one core; 100000 took minutes), before any check of the
+# mesh. jzero's tests and docs use 8 per process (`jzero launch --local N` multiplies it by N), so 4096 is
+# far above any CPU mesh worth simulating yet refuses a typo at once.
+MAX_HOST_DEVICES = 4096
 
 
 def _check_counts(cfg: Config) -> None:
@@ -334,6 +339,11 @@ def validate(cfg: Config) -> None:
             _positive(f"model.{f.name}", value)
     for key in ("steps", "global_batch", "microbatches", "log_every", "host_devices"):
         _positive(f"train.{key}", getattr(t, key))
+    if t.host_devices > MAX_HOST_DEVICES:
+        raise ConfigError(
+            f"train.host_devices={t.host_devices} must be <= {MAX_HOST_DEVICES} (simulated CPU devices of one "
+            "process; JAX makes each as it starts)"
+        )
     _check_counts(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)

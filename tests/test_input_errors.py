@@ -171,10 +171,14 @@ def test_config_key_that_is_not_a_string(text, key, tmp_path, capsys):
         ),
         ("optimizer.warmup_steps=99999999999999999999999",
          "optimizer.warmup_steps=99999999999999999999999 must be < 2**31 (a count the compiled step holds in int32)"),
+        ("train.host_devices=100000", "train.host_devices=100000 must be <= 4096 (simulated CPU devices of one "
+         "process; JAX makes each as it starts)"),
+        ("train.host_devices=0", "train.host_devices=0 must be positive"),
     ],
 )
 def test_seed_and_counts_out_of_range(override, message, tmp_path, capsys):
-    """Before, a ValueError or OverflowError traceback from numpy's generator, jax.random.key or a jitted int32."""
+    """Before, a ValueError or OverflowError traceback from numpy's generator, jax.random.key or a jitted int32;
+    train.host_devices=100000, minutes of JAX making CPU devices before the mesh check failed."""
     assert error_line(["train", "--out", str(tmp_path), "--set", override], capsys) == f"jzero: error: {message}"
 
 
@@ -208,3 +212,22 @@ def test_model_with_no_param_elements(tmp_path, capsys, monkeypatch):
         "jzero: error: the model has no parameter elements (its 5 params have 0 elements each): "
         "a ZeRO step has nothing to train"
     )
+
+
+@pytest.mark.parametrize("path", ["flat", "owned", "spec"])
+@pytest.mark.parametrize(
+    "sets, rank, message",
+    [
+        (["mesh.dp=8"], 99, "--rank 99 is outside the data-parallel group of size 8"),
+        (["mesh.dp=8"], 8, "--rank 8 is outside the data-parallel group of size 8"),
+        (["mesh.dp=8"], -1, "--rank -1 is outside the data-parallel group of size 8"),
+        (["mesh.dp=2", "mesh.dp_outer=2", "mesh.tp=2"], 4, "--rank 4 is outside the data-parallel group of size 4"),
+        ([], -1, "--rank -1 must be >= 0 (a data-parallel rank)"),  # mesh.dp=-1: the size waits for the devices
+    ],
+)
+def test_layout_rank_out_of_range(path, sets, rank, message, capsys):
+    """Before, zero.path=owned ignored --rank, and the flat path refused it only once the run was built."""
+    argv = ["layout", "--rank", str(rank), "--set", f"zero.path={path}"]
+    for s in sets:
+        argv += ["--set", s]
+    assert error_line(argv, capsys) == f"jzero: error: {message}"

@@ -117,11 +117,25 @@ def _check_json(path: str | None) -> None:
         raise ConfigError(f"--json {out}: directory {existing} is not writable")
 
 
+def _check_topology(topology: str | None) -> None:
+    """Before JAX starts: --topology is three positive integers of at most `targets.MAX_TOPOLOGY_GPUS` GPUs
+    (a larger one fails deep in XLA, or takes minutes making devices). `compile.target_devices` checks it fits."""
+    if topology is None:
+        return
+    from jzero.inspect.targets import parse_topology  # imports no JAX
+
+    try:
+        parse_topology(topology)
+    except ValueError as e:
+        raise ConfigError(f"--topology: {e}") from None
+
+
 def _report(args, module_name: str) -> int:
     """Compiles every strategy, prints the `comms` or `memory` report, writes --json."""
     # --path before validation: a key that needs the flat path (zero.param_gather_dtype) may come with it.
     cfg = load_config(args.config, [*args.set, *([f"zero.path={args.path}"] if args.path else [])])
     _check_json(args.json)
+    _check_topology(args.topology)
     from jzero.runtime import start_jax
 
     start_jax(cfg.train.host_devices)

@@ -13,10 +13,34 @@ innermost) is expert-DP rank r // ep (over dp_outer x dp) and holds the experts 
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from jzero.zero.flat.plan import REST, FlatBuffer, FlatGroup, FlatPlan
+from jzero.errors import ConfigError
+from jzero.mesh import AUTO_DP
+
+if TYPE_CHECKING:  # JAX is imported where the layout is read: `check_config_rank` runs before JAX starts
+    from jzero.config_schema import Config
+    from jzero.zero.flat.plan import FlatBuffer, FlatGroup, FlatPlan
+
+
+def check_rank(rank: int, dp_size: int | None) -> None:
+    """`jzero layout --rank`: a rank of the dense data-parallel group of `dp_size` ranks (the flat path's
+    first dense buffer's, or the owned path's dense domain's), else one ConfigError line. `dp_size` None:
+    not known yet; only a negative rank is refused."""
+    if dp_size is None:
+        if rank < 0:
+            raise ConfigError(f"--rank {rank} must be >= 0 (a data-parallel rank)")
+    elif not 0 <= rank < dp_size:
+        raise ConfigError(f"--rank {rank} is outside the data-parallel group of size {dp_size}")
+
+
+def check_config_rank(rank: int, cfg: Config) -> None:
+    """Before JAX starts: `rank` is below the config's dense DP size, dp_outer x dp x ep (each path's group
+    holds at most these ranks: fewer under HSDP or no_shard, checked with `check_rank` once the layout is
+    built); with `mesh.dp: -1` the size waits for the devices, and only the sign is checked here."""
+    check_rank(rank, None if cfg.mesh.dp == AUTO_DP else cfg.dp_domain_size)
 
 
 def describe(fp: FlatPlan) -> dict:
@@ -34,6 +58,8 @@ def describe(fp: FlatPlan) -> dict:
 def describe_group(fp: FlatPlan, group: FlatGroup) -> dict:
     """One group: {"unit": its unit key, or None for the params in no unit; "layers": L of a scanned stack
     (its buffers' layout is one layer's) or None; "buffers": [describe_buffer, ...], dense first}."""
+    from jzero.zero.flat.plan import REST
+
     return {
         "unit": None if group.key == REST else group.key,
         "layers": group.layers,
@@ -44,6 +70,8 @@ def describe_group(fp: FlatPlan, group: FlatGroup) -> dict:
 def describe_buffer(fp: FlatPlan, buf: FlatBuffer) -> dict:
     """One buffer: its dtype, kind and DP domain, buckets with padding, per-rank ownership (four
     Ranges; ranks in the buffer's own DP domain)."""
+    import jax
+
     lay = buf.layout
     mesh = fp.plan.mesh
     tensors = jax.tree.leaves(fp.plan.tensors)
@@ -135,6 +163,7 @@ def _format_buffer(d: dict, rank: int, who: str = "") -> list[str]:
             f"  bucket {b['id']}: [{b['start']}, {b['end']}) {b['numel']} elements, padding {b['padding']}, "
             f"{b['shard_size']} per rank"
         )
+    check_rank(rank, len(d["ranks"]))  # a negative one would index from the end
     r = d["ranks"][rank]
     lines.append(f"rank {rank}{who} owns {r['owned_numel']} param elements:")
     for o in r["owned"]:

@@ -16,8 +16,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jax.sharding import Mesh
+if TYPE_CHECKING:  # JAX is imported where devices are made: `jzero hlo` checks --topology before JAX starts
+    from jax.sharding import Mesh
 
 _TARGET_DIR = Path(__file__).parent / "gpu_targets"
 
@@ -62,15 +64,31 @@ TARGETS: dict[str, GpuTarget] = {
 }
 
 
+# The most GPUs a topology may hold: 2**17, above the largest single training clusters (~100k GPUs). XLA reads
+# each factor as an int32 (2**31 and up: an INTERNAL error), and makes one device per GPU before any compile
+# (2**17: ~1 s, 2**20: ~15 s, and a program to compile for each).
+MAX_TOPOLOGY_GPUS = 2**17
+
+
 def parse_topology(text: str) -> tuple[int, int, int]:
-    """`"4 x 1 x 8"` -> (4, 1, 8): slices x hosts per slice x GPUs per host."""
+    """`"4 x 1 x 8"` -> (4, 1, 8): slices x hosts per slice x GPUs per host, at most `MAX_TOPOLOGY_GPUS` in all.
+
+    Raises:
+      ValueError: not three positive integers, or more GPUs than `MAX_TOPOLOGY_GPUS`.
+    """
     parts = [p.strip() for p in text.lower().split("x")]
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 3 or not all(p.isascii() and p.isdecimal() and int(p) > 0 for p in parts):
         raise ValueError(
             f"GPU topology {text!r} must be 'slices x hosts_per_slice x gpus_per_host' "
             f"with three positive integers, e.g. '4 x 1 x 8'"
         )
-    return int(parts[0]), int(parts[1]), int(parts[2])
+    shape = int(parts[0]), int(parts[1]), int(parts[2])
+    if math.prod(shape) > MAX_TOPOLOGY_GPUS:
+        raise ValueError(
+            f"GPU topology {text!r} has {math.prod(shape)} GPUs, more than the {MAX_TOPOLOGY_GPUS} (2**17) jzero "
+            "compiles for (above the largest training clusters; XLA makes each GPU's device first)"
+        )
+    return shape
 
 
 PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt")  # what the gpu-aot extra installs

@@ -132,6 +132,38 @@ def test_mesh_must_fit_topology(capsys):
     assert "--strategies: 'zero9' is not one of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "topology, gpus",
+    [("1 x 1 x 2147483648", 2147483648), ("65536 x 65536 x 1", 4294967296), ("2 x 256 x 512", 262144)],
+)
+def test_topology_of_too_many_gpus_is_refused_before_jax_starts(topology, gpus, monkeypatch, capsys):
+    """Before, XLA's INTERNAL error (a factor of 2**31 or more) or minutes making devices."""
+    from jzero import runtime
+
+    def start(*_, **__):
+        raise AssertionError("JAX started before --topology was checked")
+
+    monkeypatch.setattr(runtime, "start_jax", start)
+    for command in ("hlo", "memory"):
+        assert jzero([command, "--target", "h100", "--topology", topology]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"jzero: error: --topology: GPU topology {topology!r} has {gpus} GPUs, more than the 131072 (2**17) "
+            "jzero compiles for (above the largest training clusters; XLA makes each GPU's device first)\n"
+        )
+
+
+@pytest.mark.parametrize("path", ["flat", "owned"])
+def test_layout_rank_outside_the_resolved_mesh(path, capsys):
+    """mesh.dp=-1 (the default): the size is the devices' (the test session's 8), checked once the layout is built;
+    before, zero.path=owned ignored --rank."""
+    from jzero import cli
+
+    assert cli.main(["layout", "--rank", "99", *(f"--set={o}" for o in [*TINY, f"zero.path={path}"])]) == 2
+    err = capsys.readouterr().err
+    assert err == "jzero: error: --rank 99 is outside the data-parallel group of size 8\n"
+
+
 def test_json_never_replaces_a_file(tmp_path, capsys):
     """Refused before anything compiles: before, the report replaced the user's file."""
     mine = tmp_path / "mine.json"
