@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
+from jzero.interop.megatron_format import TRACKER
 
 
 def add_parsers(ckpt_sub, with_config) -> None:
@@ -251,6 +252,7 @@ def megatron_args(cfg: Config, parallel: tuple[int, int, int]) -> dict:
 
 def _cmd_export(args) -> int:
     parallel = _export_parallel(args)
+    _refuse_to_overwrite(Path(args.out), args.step)  # before the config, JAX and the restore
     cfg, run, names, order = _setup(args, args.bucket_size)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
@@ -261,11 +263,7 @@ def _cmd_export(args) -> int:
         state, step = (reader.restore(args.step), args.step) if args.step is not None else restore_latest(reader)
     finally:
         reader.close()
-    folder = Path(args.out) / f"iter_{step:07d}"
-    if folder.exists():
-        raise ConfigError(
-            f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another OUT_DIR"
-        )
+    _refuse_to_overwrite_iteration(Path(args.out), step)  # the newest step's: known only now
     hp = hyperparams(cfg)
     m = cfg.model
     dist = args.ckpt_format == "torch_dist"
@@ -290,6 +288,25 @@ def _cmd_export(args) -> int:
     if cfg.model.mlp == MlpKind.GELU:
         print(TANH_GELU_NOTE, file=sys.stderr)
     return 0
+
+
+def _refuse_to_overwrite(out: Path, step: int | None) -> None:
+    """OUT_DIR's Megatron tracker, another run's (Megatron would load jzero's iteration instead of its own), and
+    with --step its iter_N folder: refused before any work. `megatron.save` checks the tracker again as it
+    writes, for one that appears meanwhile (and for its other callers)."""
+    tracker = out / TRACKER
+    if tracker.exists() or tracker.is_symlink():
+        raise ConfigError(f"{tracker} exists: jzero never overwrites a checkpoint's tracker; choose another directory")
+    if step is not None:
+        _refuse_to_overwrite_iteration(out, step)
+
+
+def _refuse_to_overwrite_iteration(out: Path, step: int) -> None:
+    folder = out / f"iter_{step:07d}"
+    if folder.exists() or folder.is_symlink():
+        raise ConfigError(
+            f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another OUT_DIR"
+        )
 
 
 def _export_parallel(args) -> tuple[int, int, int]:

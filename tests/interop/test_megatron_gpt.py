@@ -229,6 +229,30 @@ def test_cli_bad_input_is_one_line(argv, flags, needle, tmp_path, capsys):
     assert needle in err and "\n" not in err and err.startswith("jzero: error: "), err
 
 
+@pytest.mark.parametrize(
+    "existing, flags, refusal",
+    [
+        (megatron.TRACKER, [], "exists: jzero never overwrites a checkpoint's tracker; choose another directory"),
+        ("iter_0000005", ["--step", "5"], "exists: jzero never overwrites a checkpoint; move it away or choose another "
+         "OUT_DIR"),
+    ],
+)
+def test_export_refuses_to_overwrite_before_restoring(existing, flags, refusal, tmp_path, capsys, monkeypatch):
+    """Before, OUT_DIR's Megatron tracker was refused only after the (slow) restore of the jzero checkpoint; here
+    the checkpoint does not even exist, and nothing is set up (no JAX, no run)."""
+    from jzero.interop import commands
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / existing).write_text("100") if existing == megatron.TRACKER else (out / existing).mkdir()
+    monkeypatch.setattr(commands, "_setup", lambda *a: pytest.fail("set up before refusing"))
+    argv = ["ckpt", "export-megatron", str(tmp_path / "nothing"), str(out), str(_yaml(tmp_path, LLAMA)), *flags]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"jzero: error: {out / existing} {refusal}\n"
+    assert [p.name for p in out.iterdir()] == [existing]
+    assert existing != megatron.TRACKER or (out / existing).read_text() == "100"
+
+
 def test_a_fifo_as_the_names_file_is_refused_not_read(tmp_path, capsys):
     """Reading a named pipe blocks until something writes to it: forever."""
     os.mkfifo(tmp_path / "names.fifo")
