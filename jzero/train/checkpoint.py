@@ -58,6 +58,7 @@ from jzero.train.ckpt_step import (
 )
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints, mismatched
+from jzero.train.preflight import disk_full
 from jzero.train.unraisable import quiet_abandoned_io
 from jzero.zero.common import spike
 from jzero.zero.common.state import TrainState, ZeroState
@@ -215,7 +216,17 @@ class Checkpointer:
                 force=True,
             )
         except Exception as e:
-            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}") from None
+            raise self._save_failed(step, e) from None
+
+    def _save_failed(self, step: int, e: Exception) -> RunError:
+        """The one line for a save of `step` that failed with `e` (a full disk named as such, not by the
+        RESOURCE_EXHAUSTED TensorStore gives it); the uncommitted step is left in its temporary directory."""
+        if disk_full(e):
+            return RunError(
+                f"no space left on device while saving checkpoint step {step} to {self.directory}: free space "
+                "there or lower checkpoint.keep; the steps saved before it are intact"
+            )
+        return RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}")
 
     def check_saved(self) -> None:
         """Waits for the save in flight; RunError if it failed (orbax reports it here, once)."""
@@ -225,7 +236,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
-            raise RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}") from None
+            raise self._save_failed(step, e) from None
 
     # ------------------------------------------------------------ restore
 

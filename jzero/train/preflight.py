@@ -22,7 +22,9 @@ happens at run time is reported in one line with the same advice (`out_of_memory
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import resource
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 
 from jzero import model as protocol
 from jzero import multihost
-from jzero.errors import ConfigError, RunError, one_line
+from jzero.errors import ConfigError, JzeroError, RunError, one_line
 from jzero.zero.memory import formula_host, formula_split
 
 INT32_MAX = 2**31 - 1
@@ -214,9 +216,22 @@ def _gib(n: float) -> str:
     return f"{gib:,.0f} GiB" if gib >= 100 else f"{gib:.3g} GiB"
 
 
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` is a write that found no space left on its device (ENOSPC): Python's OSError, or
+    TensorStore's error (a ValueError whose status is RESOURCE_EXHAUSTED, as XLA's out-of-memory is:
+    'RESOURCE_EXHAUSTED: Error writing local file ...: No space left on device [os_error_code='28']')."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    text = str(e)
+    return os.strerror(errno.ENOSPC) in text or f"os_error_code='{errno.ENOSPC}'" in text
+
+
 def out_of_memory(e: BaseException, during: str) -> RunError | None:
     """A RunError in one line for an out-of-memory `e` (XLA's RESOURCE_EXHAUSTED) that happened
-    `during` a phase; None for any other error."""
+    `during` a phase; None for any other error: one of jzero's own (already its one line, e.g. a failed
+    checkpoint save) and a full disk (TensorStore reports ENOSPC as RESOURCE_EXHAUSTED too)."""
+    if isinstance(e, JzeroError) or disk_full(e):
+        return None
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text and not isinstance(e, MemoryError):
         return None

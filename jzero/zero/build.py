@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jzero.errors import ConfigError
 from jzero.zero.common.batch import batch_sharding
 from jzero.zero.common.offload import Offload
-from jzero.zero.common.probe import check_groups_read, check_runs
+from jzero.zero.common.probe import check_groups_read, check_not_lookahead, check_runs
 from jzero.zero.common.state import LossFn, ModelState, TrainState, ZeroState, init_train_state
 from jzero.zero.common.strategies import ShardingPlan, make_plan
 from jzero.zero.config import DynamicLossScale, SpikeGuard, StepOptions, ZeroConfig, ZeroPath
@@ -304,6 +304,7 @@ def build_zero(
         raise ConfigError(f"the model has no parameter elements ({what}): a ZeRO step has nothing to train")
     check_empty_params(abstract_params, jaxlib.__version__)
     plan = make_plan(mesh, zero.stage, abstract_params, tp_specs, is_expert, units, zero.outer_strategy)
+    check_not_lookahead(inner, plan)
     check_runs(inner, plan, groups)
     check_groups_read(inner, plan, groups)
     model_opt_sh = opt_state_shardings(inner, plan, loss_scale, zero.param_gather_dtype is not None, spike_guard)

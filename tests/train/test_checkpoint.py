@@ -406,6 +406,40 @@ def test_a_failed_save_stops_the_run_with_one_line(tmp_path):
     assert len(metrics(tmp_path / "o")) < 50
 
 
+# TensorStore's error on ENOSPC (0.1.x, a real full tmpfs): its status is RESOURCE_EXHAUSTED, as XLA's out-of-memory is
+TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing local file "{dir}/step_00000004.orbax-checkpoint-tmp/state/'
+                      'd/0": Failed writing: "{dir}/x.__lock": Failed to write 292339 bytes to file 4: No space left '
+                      "on device [os_error_code='28']")
+
+
+@pytest.mark.parametrize("error", ["tensorstore", "oserror"])
+def test_a_full_disk_during_a_save_is_named_not_reported_as_out_of_memory(error, monkeypatch, capsys, tmp_path):
+    """Before: "out of memory during step (... RESOURCE_EXHAUSTED ...): shard more ..." for a full disk."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    ck = tmp_path / "ck"
+    real_save = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step < 4:
+            return real_save(self, step, *args, **kwargs)
+        if error == "oserror":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ck / "step_00000004.orbax-checkpoint-tmp"))
+        raise ValueError(TENSORSTORE_ENOSPC.format(dir=ck))
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY,
+            *sets(train__steps=STEPS, checkpoint__dir=ck, checkpoint__every=2, checkpoint__async="false")]
+    assert main(argv) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"jzero: error: no space left on device while saving checkpoint step 4 to {ck}: free space there or lower "
+        "checkpoint.keep; the steps saved before it are intact"
+    )
+    assert saved_steps(ck) == [2]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_path):
     """The requeue pattern: a job script that always passes --resume starts fresh the first time."""

@@ -72,6 +72,30 @@ def test_an_out_of_memory_at_run_time_is_one_line(tmp_path):
     assert "zero.strategy" in line and "train.microbatches" in line
 
 
+def test_out_of_memory_names_a_device_oom_and_not_a_full_disk():
+    """TensorStore reports ENOSPC as RESOURCE_EXHAUSTED, as XLA reports a device out of memory: only the
+    latter is an out-of-memory; a failure jzero already put in one line is left as it is."""
+    import errno
+
+    from jzero.errors import RunError
+    from jzero.train.preflight import disk_full, out_of_memory
+
+    xla = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")
+    oom = out_of_memory(xla, "step")
+    assert isinstance(oom, RunError) and str(oom).startswith("out of memory during step (RuntimeError: RESOURCE_EX")
+    assert "zero.strategy=optim_grads" in str(oom) and "train.microbatches" in str(oom)
+    assert out_of_memory(MemoryError(), "compile") is not None
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing local file "/ck/step_00000002.orbax-checkpoint-tmp/'
+                             'state/d/0": Failed to write 292339 bytes to file 4: No space left on device '
+                             "[os_error_code='28']")
+    python = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ck/step_00000002.orbax-checkpoint-tmp/meta")
+    for full in (tensorstore, python):
+        assert disk_full(full) and out_of_memory(full, "step") is None
+    saving = RunError("saving checkpoint step 2 to /ck failed: ValueError: RESOURCE_EXHAUSTED: Error writing ...")
+    assert out_of_memory(saving, "step") is None
+    assert not disk_full(xla) and not disk_full(OSError(errno.EACCES, "Permission denied"))
+
+
 # Each shipped config on the device count its mesh names, held against an 80 GB H100 at JAX's default
 # preallocation (75%), through the check's own comparison (the GPU devices stood in for).
 NEEDS = textwrap.dedent("""

@@ -1,6 +1,8 @@
 """jzero.zero.build: `build_zero` resolves a run once; the `Zero` it returns carries its config and options,
 births the state in its shardings, and converts the flat path's state to the spec path's layout and back."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,32 @@ def test_a_non_float_param_is_refused(dtype):
     name = jnp.dtype(dtype).name
     with pytest.raises(ConfigError, match=rf"^param \['count'\] is {name}: a ZeRO step trains floating-point"):
         build_zero(pytree.loss, optax.adamw(1e-2), pytree.mesh(dp=2), abstract, {**pytree.NO_TP, "count": P()})
+
+
+@pytest.mark.parametrize("path", ["spec", "flat", "owned"])
+def test_optax_lookahead_is_refused_when_built(path, caplog):
+    """Before: AttributeError "'dict' object has no attribute 'fast'" from inside the build's probe, or with params
+    wrapped as optax.LookaheadParams a pytree structure error; lookahead updates (fast, slow) params the step
+    cannot hand it. Told by the LookaheadState its init makes, wherever in the chain; lookahead's absl warning
+    about params without `fast` is not logged beside the refusal."""
+    lookahead = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+
+    def refused(what: str) -> str:
+        return "^" + re.escape(
+            f"{what} cannot run in a ZeRO step: optax.lookahead needs its params wrapped as optax.LookaheadParams("
+            "fast, slow) and returns updates for both, while the step passes the optimizer the plain params and "
+            "applies its updates to them; use lookahead's fast optimizer alone"
+        ) + "$"
+
+    mesh, zero, named = pytree.mesh(dp=2), ZeroConfig("optim", path), "lookahead(chain(scale_by_adam, scale))"
+    with pytest.raises(ConfigError, match=refused(named)):
+        build_zero(pytree.loss, lookahead, mesh, pytree.abstract(), pytree.NO_TP, zero)
+    with pytest.raises(ConfigError, match=refused(f"chain(clip, {named})")):
+        build_zero(pytree.loss, optax.chain(optax.clip(1.0), lookahead), mesh, pytree.abstract(), pytree.NO_TP, zero)
+    wrapped, wrapped_tp = (optax.LookaheadParams.init_synced(t) for t in (pytree.abstract(), pytree.NO_TP))
+    with pytest.raises(ConfigError, match=refused(named)):
+        build_zero(lambda p, b: pytree.loss(p.fast, b), lookahead, mesh, wrapped, wrapped_tp, zero)
+    assert not [r for r in caplog.records if "no attribute `fast`" in r.getMessage()]
 
 
 def test_a_zero_size_param_is_refused_where_jaxlibs_xla_would_crash_on_it():

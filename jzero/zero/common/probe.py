@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -315,6 +316,32 @@ def check_runs(inner: optax.GradientTransformation, plan: ShardingPlan, groups: 
             f"{', param_groups=...' if groups is not None else ''}) and nothing more ({str(e).splitlines()[0][:160]}); "
             "a transformation that needs the loss (value=) is not supported"
         ) from None
+
+
+def check_not_lookahead(inner: optax.GradientTransformation, plan: ShardingPlan) -> None:
+    """Raises ConfigError if `inner`'s state holds an `optax.LookaheadState` (`optax.lookahead`, alone or inside a
+    chain): lookahead steps params wrapped as `optax.LookaheadParams(fast, slow)` and returns updates for both, while
+    the step hands the transformation the plain params and applies its updates to them. Without this refusal it
+    fails deep inside the build (`params.fast` of a dict; a pytree structure error with wrapped params). Decided by
+    the state `inner.init` makes (abstract), not by a name; lookahead's warning that its params have no `fast`
+    (absl logging) is held back meanwhile."""
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32), plan.tensors)
+    is_lookahead = lambda x: isinstance(x, optax.LookaheadState)  # noqa: E731
+    absl = logging.getLogger("absl")
+    quiet = logging.Filter("absl.never")  # a name no record has: drops every record while it is on
+    absl.addFilter(quiet)
+    try:
+        state = jax.eval_shape(inner.init, abstract)
+    except Exception:  # a transformation that cannot even initialize here: `check_runs` names its failure
+        return
+    finally:
+        absl.removeFilter(quiet)
+    if any(is_lookahead(x) for x in jax.tree.leaves(state, is_leaf=is_lookahead)):
+        raise ConfigError(
+            f"{transformation_name(inner)} cannot run in a ZeRO step: optax.lookahead needs its params wrapped as "
+            "optax.LookaheadParams(fast, slow) and returns updates for both, while the step passes the optimizer "
+            "the plain params and applies its updates to them; use lookahead's fast optimizer alone"
+        )
 
 
 def check_runs_owning_nothing(inner: optax.GradientTransformation, plan: ShardingPlan, ranks: int) -> None:
