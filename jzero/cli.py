@@ -86,7 +86,10 @@ def _claim_run_dir(root: Path = Path("runs"), tries: int = 100) -> Path:
     )
 
 
-def _train_command(args, preemption) -> int:
+def check_train_args(args) -> tuple[Config, Path]:
+    """`jzero train`'s input checked before JAX starts, creating nothing: (the config, the output directory,
+    or for no --out the `runs` directory a new run directory goes in). `jzero launch` checks its processes'
+    arguments with it once, so a bad input is one line, not one per process. Raises ConfigError."""
     cfg = load_config(args.config, args.set)
     if args.resume_fallback and args.resume is None:
         raise ConfigError("--resume-fallback only applies with --resume")
@@ -107,6 +110,11 @@ def _train_command(args, preemption) -> int:
                 f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
                 "choose a new --out, or continue that run with --resume"
             )
+    return cfg, out
+
+
+def _train_command(args, preemption) -> int:
+    cfg, out = check_train_args(args)
     if not args.out:
         _multiprocess(args)  # its flags checked before anything is created (`_start` checks them again)
         if args.process_id in (None, 0):
@@ -243,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from jzero.launch import add_parser as add_launch  # jzero launch --local N (imports no JAX)
 
-    add_launch(sub, t)
+    add_launch(sub, t, check_train_args)
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints; move them to and from Megatron")
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)

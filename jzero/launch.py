@@ -26,8 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from jzero.config import load_config
 from jzero.errors import ConfigError
 
 GRACE_S = 10.0  # after a failure, for the other processes to end by themselves (and say why)
@@ -37,8 +37,9 @@ _POLL_S = 0.1
 _SET_BY_LAUNCH = ("coordinator", "num_processes", "process_id", "distributed")
 
 
-def add_parser(sub, train: argparse.ArgumentParser) -> None:
-    """Adds `jzero launch` to the CLI's subparsers; `train` is `jzero train`'s parser."""
+def add_parser(sub, train: argparse.ArgumentParser, check_train: Callable[[argparse.Namespace], object]) -> None:
+    """Adds `jzero launch` to the CLI's subparsers; `train` is `jzero train`'s parser, `check_train` its checks
+    of the parsed arguments before JAX starts (`jzero.cli.check_train_args`)."""
     p = sub.add_parser(
         "launch", help="N local `jzero train` processes as one multi-process run (CPU)",
         usage="jzero launch --local N [CONFIG] [jzero train options]",
@@ -49,10 +50,10 @@ def add_parser(sub, train: argparse.ArgumentParser) -> None:
         "--local", nargs=argparse.REMAINDER, required=True, metavar="N [TRAIN_ARGS]",
         help="the number of processes, then `jzero train`'s config and options",
     )
-    p.set_defaults(fn=functools.partial(_cmd_launch, train=train))
+    p.set_defaults(fn=functools.partial(_cmd_launch, train=train, check_train=check_train))
 
 
-def _cmd_launch(args, train: argparse.ArgumentParser) -> int:
+def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
     n = args.local[0] if args.local else ""
     if not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--local N needs a number of processes >= 1 first, got {n!r}")
@@ -64,7 +65,7 @@ def _cmd_launch(args, train: argparse.ArgumentParser) -> int:
             f"jzero launch gives each process --coordinator, --num-processes and --process-id: "
             f"drop --{given[0].replace('_', '-')}"
         )
-    load_config(parsed.config, parsed.set)  # a bad config: one line here, not one per process
+    check_train(parsed)  # a bad config or --out: one line here, not one per process
     return run_local(int(n), train_args)
 
 

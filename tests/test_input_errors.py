@@ -231,3 +231,21 @@ def test_layout_rank_out_of_range(path, sets, rank, message, capsys):
     for s in sets:
         argv += ["--set", s]
     assert error_line(argv, capsys) == f"jzero: error: {message}"
+
+
+@pytest.mark.parametrize("out_is", ["file", "another run's"])
+def test_launch_checks_trains_input_once_before_starting_processes(out_is, tmp_path, capsys, monkeypatch):
+    """Before, each of the N processes found the bad --out and said so: N copies of the line."""
+    from jzero import launch
+
+    monkeypatch.setattr(launch, "run_local", lambda *_: pytest.fail("processes started before the input was checked"))
+    out = tmp_path / "out"
+    if out_is == "file":
+        out.write_text("mine")
+        message = f"--out {out} is a file, not a directory"
+    else:
+        out.mkdir()
+        (out / "metrics.jsonl").write_text("{}\n")
+        message = (f"--out {out} holds another run's metrics.jsonl: a fresh run never replaces them; choose a new "
+                   "--out, or continue that run with --resume")  # fmt: skip
+    assert error_line(["launch", "--local", "3", "--out", str(out)], capsys) == f"jzero: error: {message}"
