@@ -9,19 +9,70 @@ in the config never starts JAX on a platform the run does not use. Nothing here 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from jzero.errors import ConfigError
 
+# What the CUDA plugin's libraries (the gpu-aot extra) log on a machine with no NVIDIA driver, once per library as
+# JAX imports them and once as it registers the plugin: absl's notice, then cudart_stub's line (`quiet_cuda_stub`).
+_ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_CUDART_STUB = re.compile(r"I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine")
+
+
+def _no_gpu() -> bool:
+    return not Path("/dev/nvidiactl").exists()
+
 
 def default_platforms() -> None:
     """`JAX_PLATFORMS=cpu` on a machine with no NVIDIA device, unless it is set: an installed CUDA plugin (the
     gpu-aot extra, for deviceless compilation) then does not fail loudly trying to start a GPU backend."""
-    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
+    if "JAX_PLATFORMS" not in os.environ and _no_gpu():
         os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@contextlib.contextmanager
+def quiet_cuda_stub() -> Iterator[None]:
+    """JAX imported inside, and its plugins registered after, without the CUDA plugin's lines that say a machine
+    with no NVIDIA device has none (8 lines before every command's own). What else is written to stderr (fd 2)
+    meanwhile is written after, in order. A no-op where JAX is imported already or an NVIDIA device exists."""
+    if "jax" in sys.modules or not _no_gpu():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+                if "jax" in sys.modules:  # the plugins register when a backend starts: the last pair, here
+                    from jax._src import xla_bridge
+
+                    getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                held.seek(0)
+                lines = held.read().decode(errors="replace").splitlines(keepends=True)
+                sys.stderr.write("".join(_without_stub(lines)))
+                sys.stderr.flush()
+    finally:
+        os.close(saved)
+
+
+def _without_stub(lines: list[str]) -> list[str]:
+    """`lines` less cudart_stub's, and less absl's notice where one of them follows it."""
+    stub = [bool(_CUDART_STUB.match(line)) for line in lines]
+    notice = [line.rstrip("\n") == _ABSL_NOTICE and i + 1 < len(lines) and stub[i + 1] for i, line in enumerate(lines)]
+    return [line for line, s, n in zip(lines, stub, notice) if not (s or n)]
 
 
 def import_object(key: str, path: str, what: str = "Class", default_module: str | None = None) -> Any:
@@ -40,7 +91,8 @@ def import_object(key: str, path: str, what: str = "Class", default_module: str 
         raise ConfigError(f"{key}={path!r} must look like {form}package.module:{what}")
     default_platforms()
     try:
-        obj = importlib.import_module(module_name)
+        with quiet_cuda_stub():  # a user's module may import JAX
+            obj = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # ImportError, or the module failed running: SyntaxError, sys.exit(), ...
         first = str(e).strip().partition("\n")[0]  # a message may span lines
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__

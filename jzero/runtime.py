@@ -40,7 +40,7 @@ import time
 from jzero.config import DistributedConfig
 from jzero.errors import ConfigError, RunError, one_line
 from jzero.fatal import one_line_abort
-from jzero.imports import default_platforms
+from jzero.imports import default_platforms, quiet_cuda_stub
 from jzero.peers import KEY, Monitor, die
 
 _SLACK_S = 5  # process 0 holds the coordinator: it gives up this much later, so the others report first
@@ -83,7 +83,8 @@ def start_jax(
     start a GPU backend.
     """
     default_platforms()
-    import jax
+    with quiet_cuda_stub():
+        import jax
 
     try:
         jax.config.update("jax_num_cpu_devices", host_devices)

@@ -116,3 +116,29 @@ def test_start_jax_leaves_the_platform_to_jax_on_a_gpu_host(monkeypatch):
     monkeypatch.setattr(imports.Path, "exists", lambda self: False)
     runtime.start_jax(8)
     assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_jax_starts_without_the_cuda_plugins_lines():
+    """On a machine with no NVIDIA device and the gpu-aot extra, importing JAX and registering its plugins wrote 8
+    lines (absl's notice and cudart_stub's "Could not find cuda drivers") before every command's own; what else
+    is written to stderr meanwhile comes after, in order (a fresh process: JAX is not imported yet)."""
+    code = (
+        "import os, sys\n"
+        "from jzero.imports import quiet_cuda_stub\n"
+        "with quiet_cuda_stub():\n"
+        "    import jax\n"
+        "    os.write(2, b'mine\\n')\n"
+        "    print('also mine', file=sys.stderr)\n"
+        "jax.devices()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "mine\nalso mine\n")
+
+
+def test_only_the_cuda_stubs_lines_are_held_back():
+    notice = imports._ABSL_NOTICE + "\n"
+    stub = "I0000 00:00:1795850716.744367    9944 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU "
+    stub += "will not be used.\n"
+    lines = [notice, stub, "kept\n", notice, "W0000 something else\n", stub]
+    assert imports._without_stub(lines) == ["kept\n", notice, "W0000 something else\n"]
