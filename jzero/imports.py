@@ -43,11 +43,14 @@ def quiet_cuda_stub() -> Iterator[None]:
     """JAX imported inside, and its plugins registered after, without the CUDA plugin's lines that say a machine
     with no NVIDIA device has none (8 lines before every command's own). What else is written to stderr (fd 2)
     meanwhile is written after, in order. A no-op where JAX is imported already or an NVIDIA device exists."""
-    if "jax" in sys.modules or not _no_gpu():
+    try:
+        saved = None if "jax" in sys.modules or not _no_gpu() else os.dup(2)
+    except OSError:  # no stderr to hold back from
+        saved = None
+    if saved is None:
         yield
         return
     sys.stderr.flush()
-    saved = os.dup(2)
     try:
         with tempfile.TemporaryFile() as held:
             os.dup2(held.fileno(), 2)
