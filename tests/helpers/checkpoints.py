@@ -10,10 +10,11 @@ from jzero.train.checkpoint import Checkpointer
 from jzero.train.loop import setup
 
 
-def train_and_save(directory, cfg, steps=2) -> dict:
+def train_and_save(directory, cfg, steps=2, run=None) -> dict:
     """Trains `steps` steps of `cfg`, saves the state to `directory`; returns what was saved (model
-    space: the params tree, the optimizer state per param) as host arrays."""
-    run = setup(cfg)
+    space: the params tree, the optimizer state per param) as host arrays. run: `setup(cfg)` already
+    built (a test that restores onto `cfg` too builds and compiles it once)."""
+    run = setup(cfg) if run is None else run
     state = run.init_state()
     for i in range(steps):
         state, _ = run.zero.step(state, run.device_batch(i))
@@ -24,11 +25,11 @@ def train_and_save(directory, cfg, steps=2) -> dict:
     return whole
 
 
-def restore_matches(directory, whole, cfg, steps=2, train=False) -> None:
-    """Restores step `steps` of `directory` into `cfg`'s run: every device's shard of every saved array
-    (params, moments) is the saved slice at its index; with `train`, one more step runs and its loss is
-    finite."""
-    run = setup(cfg)
+def restore_matches(directory, whole, cfg, steps=2, train=False, run=None) -> None:
+    """Restores step `steps` of `directory` into `cfg`'s run (`run`, or `setup(cfg)`): every device's shard
+    of every saved array (params, moments) is the saved slice at its index; with `train`, one more step
+    runs and its loss is finite."""
+    run = setup(cfg) if run is None else run
     reader = Checkpointer(directory, run, writer=False)
     state = reader.restore(steps)
     restored = reader._model_state(state)

@@ -191,7 +191,8 @@ def test_dropless_trains_like_capacity_n(path):
     runs = []
     for factor in (None, MOE["num_experts"] / MOE["top_k"]):
         record = []
-        cfg = moe_config("optim_grads", (4, 2, 1), 1, path, capacity_factor=factor)
+        moe_keys = MOE | {"capacity_factor": factor, "every": 1}  # one block, an MoE one: it routes alike
+        cfg = tiny_config("optim_grads", (4, 2, 1), 1, zero={"path": path}, model={"moe": moe_keys, "n_layers": 1})
         _, _, losses, norms, state = run_steps(cfg, record=record)
         runs.append((losses, norms, state.params, record))
     (l1, n1, p1, r1), (l2, n2, p2, r2) = runs
@@ -314,11 +315,16 @@ def _save_two_steps(directory, cfg):
     return whole
 
 
+def _one_block_config(strategy, mesh, path="spec"):
+    """`moe_config` of one block, an MoE one: its experts move between meshes as with more blocks."""
+    return tiny_config(strategy, mesh, 1, zero={"path": path}, model={"moe": MOE | {"every": 1}, "n_layers": 1})
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """ZeRO-2 on (dp, ep, tp) = (4, 2, 1), spec path, saved after 2 steps."""
     directory = tmp_path_factory.mktemp("moe_ckpt") / "ck"
-    return directory, _save_two_steps(directory, moe_config("optim_grads", (4, 2, 1)))
+    return directory, _save_two_steps(directory, _one_block_config("optim_grads", (4, 2, 1)))
 
 
 def _check_restored(directory, whole, cfg, train: bool = False):
@@ -350,17 +356,18 @@ def _check_restored(directory, whole, cfg, train: bool = False):
 @pytest.mark.slow
 def test_restore_gives_every_rank_exactly_its_experts(saved, strategy, mesh, path):
     directory, whole = saved
-    _check_restored(directory, whole, moe_config(strategy, mesh, path=path))
+    _check_restored(directory, whole, _one_block_config(strategy, mesh, path=path))
 
 
 @pytest.mark.slow
 def test_a_flat_path_checkpoint_restores_its_experts_onto_the_spec_path(tmp_path):
     """The flat path's expert buffer, saved in model space: bf16 params keep fp32 main params too."""
     bf16 = {"precision": {"param_dtype": "bfloat16"}}
-    saved_cfg = tiny_config("optim", (4, 2, 1), 1, zero={"path": "flat"}, model={"moe": MOE}, **bf16)
+    one = {"moe": MOE | {"every": 1}, "n_layers": 1}  # one block, an MoE one: its experts are what moves
+    saved_cfg = tiny_config("optim", (4, 2, 1), 1, zero={"path": "flat"}, model=one, **bf16)
     whole = _save_two_steps(tmp_path / "ck", saved_cfg)
     assert any(name.startswith("main_params") for name in whole)
-    target = tiny_config("optim_grads", (2, 4, 1), 1, zero={"path": "spec"}, model={"moe": MOE}, **bf16)
+    target = tiny_config("optim_grads", (2, 4, 1), 1, zero={"path": "spec"}, model=one, **bf16)
     _check_restored(tmp_path / "ck", whole, target, train=True)
 
 
@@ -392,8 +399,9 @@ def test_the_expert_bias_is_checkpointed_and_old_checkpoints_restore_at_zero(tmp
     """The bias is saved with the state (model_state/expert_bias) and restored, bitwise, onto another mesh
     and path, where the next step goes on as the uninterrupted run's; a checkpoint of the same model
     without the bias (saved before expert_bias existed) restores with the bias at its initial zeros."""
-    moe_keys = MOE | BIAS
-    cfg = tiny_config("optim_grads", (2, 2, 1), 2, model={"moe": moe_keys})
+    # One block, an MoE one (the checkpoint holds the same arrays whatever the depth), one micro-batch.
+    moe_keys, one = MOE | BIAS | {"every": 1}, {"n_layers": 1}
+    cfg = tiny_config("optim_grads", (2, 2, 1), 1, model={"moe": moe_keys, **one})
     run = setup(cfg, jax.devices()[:4])
     state = init_state(run)
     for i in range(2):
@@ -405,7 +413,7 @@ def test_the_expert_bias_is_checkpointed_and_old_checkpoints_restore_at_zero(tmp
     assert np.any(saved != 0)
     _, want = run.zero.step(state, run.device_batch(2))
 
-    other = tiny_config("optim", (4, 1, 1), 2, zero={"path": "flat"}, model={"moe": moe_keys})
+    other = tiny_config("optim", (4, 1, 1), 1, zero={"path": "flat"}, model={"moe": moe_keys, **one})
     run2 = setup(other, jax.devices()[:4])
     reader = Checkpointer(tmp_path / "ck", run2, writer=False)
     restored = reader.restore(2)
@@ -416,7 +424,8 @@ def test_the_expert_bias_is_checkpointed_and_old_checkpoints_restore_at_zero(tmp
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     assert got["expert_bias_max"] == want["expert_bias_max"] and got["expert_bias_min"] == want["expert_bias_min"]
 
-    plain = tiny_config("optim_grads", (2, 2, 1), 2, model={"moe": MOE | {"score_function": "sigmoid"}})
+    unbiased = MOE | {"score_function": "sigmoid", "every": 1}
+    plain = tiny_config("optim_grads", (2, 2, 1), 1, model={"moe": unbiased, **one})
     run3 = setup(plain, jax.devices()[:4])
     ck = Checkpointer(tmp_path / "old", run3, async_save=False)
     ck.save(init_state(run3), plain)

@@ -473,13 +473,15 @@ def test_checkpoints_move_between_flat_units_the_spec_path_and_flat_without_over
     and theirs onto flat ZeRO-3, every shard the saved slice."""
     bf16 = {"precision": {"param_dtype": "bfloat16"}}
     flat3 = flat_config(ZERO3, (4, 1, 2), model=SCAN, precision=bf16["precision"])
-    whole = train_and_save(tmp_path / "a", flat3)
+    flat3_run = setup(flat3)  # each run built once: trained and saved, restored onto
+    whole = train_and_save(tmp_path / "a", flat3, run=flat3_run)
     assert "main_params" in whole
     restore_matches(tmp_path / "a", whole, tiny_config("optim_grads", (8, 1, 1), model=SCAN, **bf16))
     off = tiny_config("optim", (4, 1, 2), model=SCAN, zero={"path": "flat", "overlap_grad_reduce": False}, **bf16)
-    restore_matches(tmp_path / "a", whole, off)
-    whole = train_and_save(tmp_path / "b", off)
-    restore_matches(tmp_path / "b", whole, flat3, train=True)
+    off_run = setup(off)
+    restore_matches(tmp_path / "a", whole, off, run=off_run)
+    whole = train_and_save(tmp_path / "b", off, run=off_run)
+    restore_matches(tmp_path / "b", whole, flat3, train=True, run=flat3_run)
 
 
 @pytest.mark.slow

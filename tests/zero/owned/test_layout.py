@@ -255,12 +255,15 @@ def test_orbax_checkpoint_moves_between_owned_and_spec(tmp_path):
     """A checkpoint of the owned layout restores onto the spec layout at another dp, tp and stage, and one of
     the spec layout onto the owned, every saved array (params, moments) in place; training continues."""
     from helpers.checkpoints import restore_matches, train_and_save
+    from jzero.train.loop import setup
 
-    owned = tiny_config("optim", (8, 1, 1), 1, zero={"path": "owned"})
-    spec = tiny_config("optim_grads_params", (4, 1, 2), 1)
+    one = {"n_layers": 1}  # a checkpoint's arrays move alike whatever the depth
+    owned = tiny_config("optim", (8, 1, 1), 1, zero={"path": "owned"}, model=one)
+    spec = tiny_config("optim_grads_params", (4, 1, 2), 1, model=one)
+    spec_run = setup(spec)  # built once: restored onto, then trained and saved
     whole = train_and_save(tmp_path / "owned", owned)
-    restore_matches(tmp_path / "owned", whole, spec, train=True)
-    whole = train_and_save(tmp_path / "spec", spec)
+    restore_matches(tmp_path / "owned", whole, spec, train=True, run=spec_run)
+    whole = train_and_save(tmp_path / "spec", spec, run=spec_run)
     restore_matches(
         tmp_path / "spec", whole, dataclasses.replace(owned, zero=ZeroConfig("optim_grads", "owned")), train=True
     )
