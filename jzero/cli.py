@@ -214,8 +214,16 @@ def _owned_layout(cfg, args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, and its subcommands' (`add_subparsers` makes them of this class), whose errors are one
+    line, as jzero's others are, naming where the usage is instead of printing it."""
+
+    def error(self, message: str):
+        self.exit(2, f"jzero: error: {message} (usage: {self.prog} -h)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jzero", description="ZeRO-1/2/3 for JAX, Megatron-exact.")
+    p = _Parser(prog="jzero", description="ZeRO-1/2/3 for JAX, Megatron-exact.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp):

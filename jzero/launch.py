@@ -58,7 +58,7 @@ def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
     if not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--local N needs a number of processes >= 1 first, got {n!r}")
     train_args = args.local[1:]
-    parsed = train.parse_args(train_args)  # a bad option: argparse's usage and exit 2, once
+    parsed = train.parse_args(train_args)  # a bad option: one line and exit 2, once
     given = [name for name in _SET_BY_LAUNCH if getattr(parsed, name) not in (None, False)]
     if given:
         raise ConfigError(

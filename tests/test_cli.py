@@ -112,6 +112,23 @@ def test_cli_process_exit_code_and_no_traceback():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--out"], "argument --out: expected one argument (usage: jzero train -h)"),
+        (["ckpt"], "the following arguments are required: ckpt_command (usage: jzero ckpt -h)"),
+        (["hlo", "--network-gbs", "fast"],
+         "argument --network-gbs: 'fast' is not a positive number (usage: jzero hlo -h)"),
+        (["launch", "--local", "2", "--bogus"], "unrecognized arguments: --bogus (usage: jzero train -h)"),
+    ],
+)
+def test_a_bad_option_is_one_line(argv, message, capsys):
+    """Before, argparse's usage block (five lines for `train`) came before its error."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert (e.value.code, capsys.readouterr().err) == (2, f"jzero: error: {message}\n")
+
+
 STAMP = "20250102-030405"
 
 
