@@ -7,6 +7,7 @@ number of simulated CPU devices before the backend starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from jzero import peers
 from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
+from jzero.imports import quiet_cuda_stub
 from jzero.zero.config import ZeroPath
 
 
@@ -115,21 +117,32 @@ def check_train_args(args) -> tuple[Config, Path]:
 
 def _train_command(args, preemption) -> int:
     cfg, out = check_train_args(args)
+    claimed = None  # the run directory this run made (no --out), removed again if the run fails before writing
     if not args.out:
         _multiprocess(args)  # its flags checked before anything is created (`_start` checks them again)
-        if args.process_id in (None, 0):
-            out = _claim_run_dir(out)
-        else:  # a known process > 0 never writes in `out` (process 0's, claimed there): claim no empty sibling
-            out = out / time.strftime("%Y%m%d-%H%M%S")
-    _start(cfg, args)
-    preemption.reinstall()  # a multi-process join installs JAX's own SIGTERM handler
-    from jzero.train import report
-    from jzero.train.loop import train
+        # Only process 0 writes in `out`: it claims one. With --distributed its number is known once JAX joins.
+        claimed = _claim_run_dir(out) if args.process_id in (None, 0) and not args.distributed else None
+        out = claimed or out / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        _start(cfg, args)
+        preemption.reinstall()  # a multi-process join installs JAX's own SIGTERM handler
+        if not args.out and args.distributed:
+            import jax
 
-    summary = train(
-        cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback,
-        preemption=preemption,
-    )
+            claimed = _claim_run_dir(out.parent) if jax.process_index() == 0 else None
+            out = claimed or out
+        from jzero.train import report
+        from jzero.train.loop import train
+
+        summary = train(
+            cfg, out, progress=not args.quiet, resume=args.resume, resume_fallback=args.resume_fallback,
+            preemption=preemption,
+        )
+    except BaseException:
+        if claimed is not None:
+            with contextlib.suppress(OSError):  # still empty: nothing of the run's in it
+                claimed.rmdir()
+        raise
     if summary is None or not summary:  # nothing left to train, or not process 0
         return 0
     print(report.format_summary(summary))
@@ -139,7 +152,8 @@ def _train_command(args, preemption) -> int:
 
 def _cmd_ckpt_info(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jzero.train.ckpt_info import describe, verify_steps
+    with quiet_cuda_stub():
+        from jzero.train.ckpt_info import describe, verify_steps
 
     try:
         print(describe(args.dir))

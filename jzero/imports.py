@@ -93,9 +93,10 @@ def import_object(key: str, path: str, what: str = "Class", default_module: str 
         form = f"a name in {default_module}, package.module.{what} or " if default_module else ""
         raise ConfigError(f"{key}={path!r} must look like {form}package.module:{what}")
     default_platforms()
+    with quiet_cuda_stub():  # first, since a user's module may import JAX (its own lines are not held back)
+        import jax  # noqa: F401
     try:
-        with quiet_cuda_stub():  # a user's module may import JAX
-            obj = importlib.import_module(module_name)
+        obj = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # ImportError, or the module failed running: SyntaxError, sys.exit(), ...
         first = str(e).strip().partition("\n")[0]  # a message may span lines
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__

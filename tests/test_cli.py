@@ -160,22 +160,29 @@ def test_default_out_dir_skips_a_file_named_like_its_timestamp(same_second):
 @pytest.mark.parametrize(
     "argv, claimed",
     [
-        (["--set", "model.n_heads=3"], []),  # a bad config leaves nothing behind
-        (["--process-id", "0"], []),  # nor do bad multi-process flags
+        (["--set", "model.n_heads=3"], None),  # a bad config leaves nothing behind
+        (["--process-id", "0"], None),  # nor do bad multi-process flags
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"], []),  # process 0 claims
+        (["--distributed"], []),  # its process number is known once JAX has joined: process 0 claims then
         ([], [STAMP]),  # input checked: claimed just before JAX starts
     ],
 )
 def test_default_out_dir_is_claimed_only_once_the_input_is_checked(argv, claimed, same_second, capsys, monkeypatch):
+    """`claimed`: what runs/ holds when JAX would start (None: it is not reached). A run that fails before
+    writing anything removes the directory it claimed: runs/ ends with nothing in it."""
+    seen = []
+
     def start(*_):
+        runs = same_second / "runs"
+        seen.append(sorted(p.name for p in runs.iterdir()) if runs.exists() else [])
         raise ConfigError("stopped where JAX would start")
 
     monkeypatch.setattr(cli, "_start", start)
     assert main(["train", "--quiet", *argv]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert seen == ([] if claimed is None else [claimed])
     runs = same_second / "runs"
-    assert sorted(p.name for p in runs.iterdir()) == claimed if claimed else not runs.exists()
-    assert all(not any((runs / name).iterdir()) for name in claimed)
+    assert not runs.exists() or not any(runs.iterdir())
 
 
 @pytest.mark.slow

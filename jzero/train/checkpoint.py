@@ -219,12 +219,12 @@ class Checkpointer:
             raise self._save_failed(step, e) from None
 
     def _save_failed(self, step: int, e: Exception) -> RunError:
-        """The one line for a save of `step` that failed with `e` (a full disk named as such, not by the
-        RESOURCE_EXHAUSTED TensorStore gives it); the uncommitted step is left in its temporary directory."""
+        """The one line for a save of `step` that failed with `e` (a full disk or quota named as such, not by
+        the RESOURCE_EXHAUSTED TensorStore gives it); the uncommitted step is left in its temporary directory."""
         if disk_full(e):
             return RunError(
-                f"no space left on device while saving checkpoint step {step} to {self.directory}: free space "
-                "there or lower checkpoint.keep; the steps saved before it are intact"
+                f"no space left (on the device or in the quota) while saving checkpoint step {step} to "
+                f"{self.directory}: free space there or lower checkpoint.keep; the steps saved before it are intact"
             )
         return RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}")
 

@@ -216,14 +216,17 @@ def _gib(n: float) -> str:
     return f"{gib:,.0f} GiB" if gib >= 100 else f"{gib:.3g} GiB"
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device, or in the user's quota (clusters)
+
+
 def disk_full(e: BaseException) -> bool:
-    """Whether `e` is a write that found no space left on its device (ENOSPC): Python's OSError, or
-    TensorStore's error (a ValueError whose status is RESOURCE_EXHAUSTED, as XLA's out-of-memory is:
+    """Whether `e` is a write that found no space left on its device or in its quota (ENOSPC, EDQUOT): Python's
+    OSError, or TensorStore's error (a ValueError whose status is RESOURCE_EXHAUSTED, as XLA's out-of-memory is:
     'RESOURCE_EXHAUSTED: Error writing local file ...: No space left on device [os_error_code='28']')."""
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+    if isinstance(e, OSError) and e.errno in _DISK_FULL:
         return True
     text = str(e)
-    return os.strerror(errno.ENOSPC) in text or f"os_error_code='{errno.ENOSPC}'" in text
+    return any(os.strerror(n) in text or f"os_error_code='{n}'" in text for n in _DISK_FULL)
 
 
 def out_of_memory(e: BaseException, during: str) -> RunError | None:

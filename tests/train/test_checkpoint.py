@@ -434,8 +434,8 @@ def test_a_full_disk_during_a_save_is_named_not_reported_as_out_of_memory(error,
             *sets(train__steps=STEPS, checkpoint__dir=ck, checkpoint__every=2, checkpoint__async="false")]
     assert main(argv) == 2
     assert one_line(capsys.readouterr().err) == (
-        f"jzero: error: no space left on device while saving checkpoint step 4 to {ck}: free space there or lower "
-        "checkpoint.keep; the steps saved before it are intact"
+        f"jzero: error: no space left (on the device or in the quota) while saving checkpoint step 4 to {ck}: free "
+        "space there or lower checkpoint.keep; the steps saved before it are intact"
     )
     assert saved_steps(ck) == [2]
 

@@ -315,16 +315,11 @@ def _save_two_steps(directory, cfg):
     return whole
 
 
-def _one_block_config(strategy, mesh, path="spec"):
-    """`moe_config` of one block, an MoE one: its experts move between meshes as with more blocks."""
-    return tiny_config(strategy, mesh, 1, zero={"path": path}, model={"moe": MOE | {"every": 1}, "n_layers": 1})
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """ZeRO-2 on (dp, ep, tp) = (4, 2, 1), spec path, saved after 2 steps."""
     directory = tmp_path_factory.mktemp("moe_ckpt") / "ck"
-    return directory, _save_two_steps(directory, _one_block_config("optim_grads", (4, 2, 1)))
+    return directory, _save_two_steps(directory, moe_config("optim_grads", (4, 2, 1)))
 
 
 def _check_restored(directory, whole, cfg, train: bool = False):
@@ -356,7 +351,7 @@ def _check_restored(directory, whole, cfg, train: bool = False):
 @pytest.mark.slow
 def test_restore_gives_every_rank_exactly_its_experts(saved, strategy, mesh, path):
     directory, whole = saved
-    _check_restored(directory, whole, _one_block_config(strategy, mesh, path=path))
+    _check_restored(directory, whole, moe_config(strategy, mesh, path=path))
 
 
 @pytest.mark.slow
@@ -399,7 +394,7 @@ def test_the_expert_bias_is_checkpointed_and_old_checkpoints_restore_at_zero(tmp
     """The bias is saved with the state (model_state/expert_bias) and restored, bitwise, onto another mesh
     and path, where the next step goes on as the uninterrupted run's; a checkpoint of the same model
     without the bias (saved before expert_bias existed) restores with the bias at its initial zeros."""
-    # One block, an MoE one (the checkpoint holds the same arrays whatever the depth), one micro-batch.
+    # One block, an MoE one, and one micro-batch: its bias is saved and restored as with more.
     moe_keys, one = MOE | BIAS | {"every": 1}, {"n_layers": 1}
     cfg = tiny_config("optim_grads", (2, 2, 1), 1, model={"moe": moe_keys, **one})
     run = setup(cfg, jax.devices()[:4])

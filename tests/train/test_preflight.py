@@ -89,7 +89,8 @@ def test_out_of_memory_names_a_device_oom_and_not_a_full_disk():
                              'state/d/0": Failed to write 292339 bytes to file 4: No space left on device '
                              "[os_error_code='28']")
     python = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ck/step_00000002.orbax-checkpoint-tmp/meta")
-    for full in (tensorstore, python):
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/ck/step_00000002.orbax-checkpoint-tmp/meta")
+    for full in (tensorstore, python, quota, ValueError(f"RESOURCE_EXHAUSTED: ... {os.strerror(errno.EDQUOT)}")):
         assert disk_full(full) and out_of_memory(full, "step") is None
     saving = RunError("saving checkpoint step 2 to /ck failed: ValueError: RESOURCE_EXHAUSTED: Error writing ...")
     assert out_of_memory(saving, "step") is None
