@@ -43,16 +43,21 @@ def quiet_cuda_stub() -> Iterator[None]:
     """JAX imported inside, and its plugins registered after, without the CUDA plugin's lines that say a machine
     with no NVIDIA device has none (8 lines before every command's own). What else is written to stderr (fd 2)
     meanwhile is written after, in order. A no-op where JAX is imported already or an NVIDIA device exists."""
-    try:
-        saved = None if "jax" in sys.modules or not _no_gpu() else os.dup(2)
-    except OSError:  # no stderr to hold back from
-        saved = None
-    if saved is None:
+    saved = held = None
+    if "jax" not in sys.modules and _no_gpu():
+        try:
+            held = tempfile.TemporaryFile()
+            saved = os.dup(2)
+        except OSError:  # no stderr to hold back from, or no room for a temporary file: JAX imported as is
+            if held is not None:
+                held.close()
+            held = None
+    if held is None:
         yield
         return
     sys.stderr.flush()
     try:
-        with tempfile.TemporaryFile() as held:
+        with held:
             os.dup2(held.fileno(), 2)
             try:
                 yield
