@@ -154,7 +154,7 @@ class GPT(nnx.Module):
         """tokens [B, T] int -> (logits [B, T, V] fp32, [aux_loss, dropped_frac, z_loss] summed over MoE
         blocks, tokens per expert [n_moe, E] or None); bias: the expert bias [n_moe, E] fp32, or None."""
         x, head, stats, counts = self.features(tokens, tp_axis, ep_axis, dp_axes, bias)
-        return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32), stats, counts
+        return head_logits(x, head), stats, counts
 
     def features(self, tokens, tp_axis=None, ep_axis=None, dp_axes=(), bias=None):
         """`__call__` up to the logits: (the final norm's output [B, T, D], the head [D, V], stats, counts)."""
@@ -188,6 +188,56 @@ def _lookup_bwd(res, g):
 embedding_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
+@jax.custom_vjp
+def head_logits(x, head):
+    """x [..., D] through head [D, V] -> fp32 logits [..., V] (the matmul accumulates in fp32).
+
+    Its backward runs both matmuls on the logits' grad cast to the compute dtype, as Megatron's output
+    layer's backward does under --bf16 (its logits, and so their grad, are bf16). The plain einsum's
+    transpose keeps the fp32 grad and runs both in fp32, at half bf16's rate at best on an H100 (TF32):
+    13% of LLaMA-3.2-1B's step flops (docs/precision.md). With fp32 params, the plain einsum's program."""
+    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+
+
+def _head_fwd(x, head):
+    return head_logits(x, head), (x, head)
+
+
+def _head_bwd(res, g):
+    x, head = res
+    _, vjp = jax.vjp(lambda x, head: jnp.einsum("...d,dv->...v", x, head), x, head)
+    return vjp(g.astype(jnp.result_type(x, head)))
+
+
+head_logits.defvjp(_head_fwd, _head_bwd)
+
+
+@jax.custom_vjp
+def cross_entropy(logits, labels):
+    """Per token, logsumexp(logits) - logits[label]: fp32 logits [..., V], int labels [...] -> [...]
+    (`optax.softmax_cross_entropy_with_integer_labels`).
+
+    Its backward is one elementwise pass over the logits, (softmax - one_hot) x grad, with the one-hot a
+    comparison against an iota; autodiff's scatter-adds the labels' -1 into a zeroed [..., V] array and
+    adds it in a pass of its own (docs/precision.md)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _ce_fwd(logits, labels):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return lse - label_logits, (logits, labels, lse)
+
+
+def _ce_bwd(res, g):
+    logits, labels, lse = res
+    one_hot = labels[..., None] == jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+    return (jnp.exp(logits - lse[..., None]) - one_hot) * g[..., None], None
+
+
+cross_entropy.defvjp(_ce_fwd, _ce_bwd)
+
+
 def chunked_cross_entropy(x, head, labels, chunk: int):
     """The mean next-token cross-entropy of x [N, D] through head [D, V] against labels [N], `chunk` tokens at a
     time: each chunk's fp32 logits [chunk, V] are made, reduced and dropped, and made again for its backward
@@ -203,8 +253,7 @@ def chunked_cross_entropy(x, head, labels, chunk: int):
     @jax.checkpoint
     def one(part):  # no carry: a zero to start from would be typed DP-invariant inside a ZeRO step's shard_map
         xc, lc, kc = part
-        logits = jnp.einsum("nd,dv->nv", xc, head, preferred_element_type=jnp.float32)
-        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, lc) * kc)
+        return jnp.sum(cross_entropy(head_logits(xc, head), lc) * kc)
 
     return jnp.sum(jax.lax.map(one, (xs, ls, keep))) / n
 
@@ -322,7 +371,7 @@ class GPTModel:
         gpt = nnx.merge(self.graphdef, params)
         if self.cfg.loss_chunk is None:
             logits, stats, counts = gpt(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            loss = cross_entropy(logits, tokens[:, 1:]).mean()
         else:
             x, head, stats, counts = gpt.features(tokens[:, :-1], tp_axis, ep_axis, self.dp_axes, bias)
             labels = tokens[:, 1:].reshape(-1)

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -16,7 +17,7 @@ from helpers import assert_matches_reference, reference_run, rel_param_errors, r
 from jzero.config import AttentionImpl, ConfigError, ModelConfig, MoEConfig, PosKind, RematKind, load_config
 from jzero.run import build_run
 from jzero.train.layers import Attention, Keys
-from jzero.train.model import GPTModel
+from jzero.train.model import GPTModel, cross_entropy, head_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
@@ -277,6 +278,49 @@ def test_bf16_embedding_grad_is_summed_in_fp32():
     g16 = jax.jit(jax.grad(model.loss))(params, tokens)["tok_emb"].astype(jnp.float32)
     g32 = jax.jit(jax.grad(lambda p, t: model.loss(up(p), t)))(up(params), tokens)["tok_emb"]
     assert float(jnp.max(jnp.abs(g16 - g32)) / jnp.max(jnp.abs(g32))) < 2**-7
+
+
+def test_head_and_loss_are_optaxs_to_fp32_rounding():
+    """`head_logits` and `cross_entropy` (each with its own backward) give the loss of the plain einsum and
+    optax's cross-entropy, and their grads, to fp32 rounding."""
+    k = jax.random.split(jax.random.key(0), 3)
+    x, head = jax.random.normal(k[0], (4, 6, 16)), 0.3 * jax.random.normal(k[1], (16, 50))
+    labels = jax.random.randint(k[2], (4, 6), 0, 50)
+
+    def plain(x, head):
+        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    ours = jax.value_and_grad(lambda x, head: cross_entropy(head_logits(x, head), labels).mean(), (0, 1))(x, head)
+    ref = jax.value_and_grad(plain, (0, 1))(x, head)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7), ours, ref)
+
+
+def _dot_operand_dtypes(jaxpr) -> set:
+    """The operand dtypes of every dot_general in a jaxpr, its sub-jaxprs (scan, remat, custom rules) included."""
+    found = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            found.add(tuple(str(v.aval.dtype) for v in e.invars))
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _dot_operand_dtypes(inner)
+    return found
+
+
+@pytest.mark.parametrize("chunk", [None, 20])
+def test_bf16_models_matmuls_all_take_bf16_operands(chunk):
+    """In a bf16 model's grad every matmul takes bf16 operands, the LM head's two backward ones included, as
+    Megatron's output layer runs under --bf16: the plain einsum's transpose kept the fp32 logits' grad and ran
+    both in fp32 (TF32 on an H100, half bf16's rate; 13% of LLaMA-3.2-1B's step flops, docs/precision.md)."""
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_heads=8, d_ff=128, seq_len=32, n_layers=2, loss_chunk=chunk,
+                      **LLAMA_TINY)  # fmt: skip
+    model = GPTModel(cfg, jnp.bfloat16)
+    params = jax.eval_shape(model.init)
+    tokens = jax.ShapeDtypeStruct((4, 33), jnp.int32)
+    assert _dot_operand_dtypes(jax.make_jaxpr(jax.grad(model.loss))(params, tokens).jaxpr) == {("bfloat16", "bfloat16")}
 
 
 @pytest.mark.parametrize("value, kind", [("true", "full"), ("false", "none"), ("selective", "selective")])
