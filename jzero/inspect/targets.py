@@ -33,34 +33,38 @@ class GpuTarget:
       config_file: the `GpuTargetConfigProto` text file under `gpu_targets/`.
       device_kind: the card's name as XLA reports it.
       memory_bytes: HBM per device (the file's `device_memory_size`).
+      hbm_bandwidth: HBM bytes/s (the file's `memory_bandwidth`; `roofline`).
     """
 
     name: str
     config_file: str
     device_kind: str
     memory_bytes: int
+    hbm_bandwidth: float
 
     def config_text(self) -> str:
         """The target description, as `get_topology_desc(target_config=...)` takes it."""
         return (_TARGET_DIR / self.config_file).read_text()
 
 
-def _load(name: str, config_file: str, public_memory_gb: int) -> GpuTarget:
+def _load(name: str, config_file: str, public_memory_gb: int, public_bandwidth_gbs: int) -> GpuTarget:
     text = (_TARGET_DIR / config_file).read_text()
     memory = re.search(r"device_memory_size:\s*(\d+)", text)
+    bandwidth = re.search(r"memory_bandwidth:\s*(\d+)", text)
     kind = re.search(r'device_description_str:\s*"([^"]*)"', text)
     return GpuTarget(
         name=name,
         config_file=config_file,
         device_kind=kind.group(1) if kind else name.upper(),
         memory_bytes=int(memory.group(1)) if memory else public_memory_gb * 10**9,
+        hbm_bandwidth=float(bandwidth.group(1)) if bandwidth else public_bandwidth_gbs * 1e9,
     )
 
 
 TARGETS: dict[str, GpuTarget] = {
-    "h100": _load("h100", "h100_sxm.txtpb", 80),  # H100 SXM 80GB HBM3
-    "a100": _load("a100", "a100_sxm_80.txtpb", 80),  # A100 SXM4 80GB
-    "h200": _load("h200", "h200.txtpb", 141),  # H200 141GB HBM3e
+    "h100": _load("h100", "h100_sxm.txtpb", 80, 3350),  # H100 SXM 80GB HBM3, 3.35 TB/s
+    "a100": _load("a100", "a100_sxm_80.txtpb", 80, 2039),  # A100 SXM4 80GB, 2.04 TB/s
+    "h200": _load("h200", "h200.txtpb", 141, 4800),  # H200 141GB HBM3e, 4.8 TB/s
 }
 
 

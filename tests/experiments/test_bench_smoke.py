@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.programs import needs_gpu_plugin
+
 BENCH = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "run.py"
 
 
@@ -28,3 +30,21 @@ def test_bench_runs_and_its_baseline_matches_jzero(tmp_path):
     assert row["check"]["ok"], row["check"]
     assert 1.0 <= row["wire_ratio_to_theory"] <= 1.01  # one psum_scatter + one all_gather, padded to d
     assert (tmp_path / "table.md").is_file() and (tmp_path / "bench.png").is_file()
+
+
+ROOFLINE = BENCH.parent / "roofline.py"
+
+
+@pytest.mark.slow
+@needs_gpu_plugin
+def test_roofline_reads_the_gpu_benchs_programs(tmp_path):
+    """experiments/bench/roofline.py compiles the GPU bench's three programs deviceless for an H200 and reads
+    their roofline: the same matmul flops in each (one model, one loss), none on fp32 operands in bf16."""
+    cmd = [sys.executable, str(ROOFLINE), "--models", "smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "roofline.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["jzero-spec", "jzero-flat", "plain-optax"]
+    assert len({round(r["dot_tflop"], 9) for r in rows}) == 1 and all(r["fp32_dot_tflop"] == 0 for r in rows)
+    assert rows[-1]["x_plain_optax"] == 1.0 and all(0 < r["mfu"] < 1 for r in rows)
+    assert (tmp_path / "roofline.md").read_text().count("| smoke |") == 3

@@ -265,13 +265,17 @@ def test_deviceless_h100_memory_fits(tmp_path):
 )
 def test_deviceless_h100_bf16_attention_is_cudnns(extra, odd, capsys):
     """model.attention=auto chooses cuDNN's fused kernel for a GPU target's bf16 step, on both paths (the spec
-    path's data-parallel ranks leave tp to the partitioner: the kernel runs in a nested shard_map there), and a
+    path's data-parallel ranks leave tp to the partitioner: the kernel runs in a nested shard_map there), no
+    matmul of the step is on fp32 operands (the roofline line would count them), and a
     bf16 head dim cuDNN cannot take is noted. (An fp32 step, XLA's attention, has no note:
     test_deviceless_h100_zero1_and_zero2_reduce_scatter.)"""
     bf16 = [*TINY, "precision.param_dtype=bfloat16", *extra]
     assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim_grads"], bf16) == 0
     calls = 3 if "model.remat=true" in extra else 2
-    assert f"note: attention: cuDNN's fused kernel ({calls} __cudnn$fmha* custom calls)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"note: attention: cuDNN's fused kernel ({calls} __cudnn$fmha* custom calls)" in out
+    # every matmul of the bf16 step on bf16 operands, the LM head's backward too (docs/precision.md)
+    assert "  roofline ~ " in out and "fp32 operands" not in out
     if odd:
         odd_head = [*TINY, "precision.param_dtype=bfloat16", "model.n_heads=1", "model.d_model=160"]  # head dim 160
         assert jzero(["hlo", "--target", "h100", "--topology", "1 x 1 x 8", "--strategies", "optim"], odd_head) == 0

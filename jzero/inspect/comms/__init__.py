@@ -19,7 +19,7 @@ import dataclasses
 import jax
 
 from jzero.config import to_dict
-from jzero.inspect import overlap, peak, timing
+from jzero.inspect import overlap, peak, roofline, timing
 from jzero.inspect.comms import measure, notes, theory
 from jzero.inspect.comms.records import SCHEMA, Header, HloReport, StrategyComms
 from jzero.inspect.comms.text import LABELS, count, format_report, human
@@ -57,6 +57,7 @@ def strategy_comms(c: CompiledStep, links: timing.Overrides = timing.DEFAULT) ->
         schedule={  # what XLA overlaps each collective with, and what the exposed ones cost in time
             **overlap.schedule_report(c, program.schedule),
             "timing": timing.timing_report(c.target, program.schedule, c.run.mesh, links),
+            "roofline": roofline.roofline_report(c.target, program.text, links.peak_tflops),
         },
         peak=peak.peak_report(c),  # what temp memory holds at its peak
     )

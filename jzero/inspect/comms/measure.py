@@ -29,12 +29,13 @@ CODES = ("s8", "u8")  # the quantized gather's codes: int8, and fp8's bytes (`qu
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled step's program, read once: its collectives, its schedule (what overlaps each
-    collective, `overlap.read_schedule`) and each collective's runs per step, by name."""
+    collective, `overlap.read_schedule`), each collective's runs per step, by name, and its text."""
 
     collectives: list[hlo.Collective]
     schedule: overlap.Schedule
     runs: dict[str, int]
     ragged_all_to_all: int  # dropless MoE on a GPU (hlo.parse_collectives has no such kind)
+    text: str  # `compiled.as_text()`
 
 
 def read_program(c) -> Program:
@@ -42,7 +43,7 @@ def read_program(c) -> Program:
     collectives = hlo.parse_collectives(text)
     sch = overlap.read_schedule(text, collectives)
     ragged = text.count("ragged-all-to-all-start(") + text.count("ragged-all-to-all(")
-    return Program(collectives, sch, {o.collective.name: o.runs for o in sch.overlaps}, ragged)
+    return Program(collectives, sch, {o.collective.name: o.runs for o in sch.overlaps}, ragged, text)
 
 
 def rows(collectives: list[hlo.Collective], runs: dict[str, int], mesh) -> list[CollectiveRow]:

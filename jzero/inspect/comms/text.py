@@ -131,7 +131,9 @@ def _strategy(r: HloReport, name: str, s: StrategyComms) -> list[str]:
         [f"  {t['line']} (links {t['nvlink_gbs']:g} GB/s in a host, {t['network_gbs']:g} GB/s across; "
          f"peak {t['peak_tflops']:g} TFLOP/s)"] if t else []
     )  # fmt: skip
-    return lines + overlap.format_lines(plain) + on_links + peak.format_lines(plain)
+    r = plain["schedule"].get("roofline")
+    on_card = [f"  {r['line']}"] if r else []
+    return lines + overlap.format_lines(plain) + on_links + on_card + peak.format_lines(plain)
 
 
 def _theory_terms(r: HloReport, th: Theory) -> list[str]:
