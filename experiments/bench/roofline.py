@@ -1,7 +1,7 @@
 """The GPU bench's steps at the roofline, deviceless: where one GPU's step time goes, from the compiled program.
 
     python experiments/bench/roofline.py                       # gpt2 and llama1b on one H200, bf16
-    python experiments/bench/roofline.py --target h100 --models llama1b
+    python experiments/bench/roofline.py --target h100 --models llama1b --set model.scan_layers=true
 
 The programs `run.py --backend gpu` times (jzero's spec and flat steps, plain optax by hand; one device, bf16,
 cuDNN's attention), compiled for a card this machine does not have and read by `jzero.inspect.roofline`: each
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import load_config
+from jzero.config import ConfigError, load_config
 from jzero.inspect import compile as inspect_compile
 from jzero.inspect.roofline import roofline
 from jzero.inspect.targets import TARGETS
@@ -44,10 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default="gpt2,llama1b", help="comma-separated, of: " + ", ".join(bench.MODELS))
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="as run.py's --dtype")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak (default: jzero's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every model's steps (repeatable), as run.py's")  # fmt: skip
     ap.add_argument("--out", type=Path, default=HERE, help="where roofline.json and roofline.md go")
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
     bad = [m for m in args.models if m not in bench.MODELS]
+    try:
+        load_config(None, args.set)
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
     if bad:
         ap.error(f"unknown model(s) {bad}")
     return args
@@ -69,7 +75,7 @@ def plain_optax(run, cfg):
 
 def bench_model(model: str, args) -> list[dict]:
     overrides = [*bench.COMMON, *bench.MODELS[model], "mesh.dp=1", f"precision.param_dtype={args.dtype}",
-                 "zero.strategy=no_shard"]  # fmt: skip
+                 "zero.strategy=no_shard", *args.set]  # fmt: skip
     peak = LINKS[args.target].peak_flops if args.peak_tflops is None else args.peak_tflops * 1e12
     bandwidth = TARGETS[args.target].hbm_bandwidth
     compiled, run = {}, None
@@ -117,7 +123,7 @@ def main(argv=None) -> None:
     start_jax(1)
     rows = [row for model in args.models for row in bench_model(model, args)]
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "target": args.target,
-            "dtype": args.dtype, "hbm_bandwidth": TARGETS[args.target].hbm_bandwidth}  # fmt: skip
+            "dtype": args.dtype, "set": args.set, "hbm_bandwidth": TARGETS[args.target].hbm_bandwidth}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "roofline.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     (args.out / "roofline.md").write_text(table(rows))

@@ -39,7 +39,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import load_config
+from jzero.config import ConfigError, load_config
 from jzero.inspect import hlo
 from jzero.mesh import DENSE_DP_AXES
 from jzero.runtime import start_jax
@@ -94,7 +94,9 @@ MODELS = {  # name: config overrides on configs/default.yaml
         "train.global_batch=16",
     ],
     # GPU: LLaMA-3.2-1B's shape (1.24B: GQA 32/8 heads, SwiGLU, RMSNorm, RoPE, tied 128256 vocabulary), 4 x 2048
-    # tokens, its 16 blocks scanned (one compiled block; the hand-written step calls the same loss).
+    # tokens, its 16 blocks unrolled: scanned, XLA:GPU copies each residual the backward keeps into its [L, ...]
+    # stack and out again (roofline 112.5 against 92.3 ms; README.md, "Roofline"; the hand-written step calls
+    # the same loss).
     "llama1b": [
         "model.vocab_size=128256",
         "model.d_model=2048",
@@ -107,7 +109,7 @@ MODELS = {  # name: config overrides on configs/default.yaml
         "model.norm=rmsnorm",
         "model.bias=false",
         "model.pos=rope",
-        "model.scan_layers=true",
+        "model.scan_layers=false",
         "train.global_batch=4",
     ],
 }
@@ -142,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--peak-tflops", type=float, default=H100_SXM_DENSE_BF16_TFLOPS, help="gpu: peak for MFU")
     ap.add_argument("--profile", type=Path, default=None, help="write each config's HLO, memory and trace here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every model's jzero and hand-written steps (repeatable)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=HERE, help="where result.json, table.md, bench.png go")
     args = ap.parse_args(argv)
     args.models = (args.models or ("tiny,wide" if args.backend == "cpu" else "gpt2,llama1b")).split(",")
@@ -151,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.only = tuple(args.only.split(",")) if args.only else tuple(i for i in impls if i not in OPT_IN)
     bad = [m for m in args.models if m not in MODELS] + [i for i in args.only if i not in impls]
     bad += [s for s in args.stages if s not in STAGES]
+    try:
+        load_config(None, args.set)
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
     if bad or args.warmup < 1 or args.steps < 1:
         ap.error(f"unknown model/impl/stage {bad} for --backend {args.backend}" if bad else "--warmup, --steps >= 1")
     return args
@@ -445,7 +453,7 @@ def build(impl: str, strategy: str, overrides, devices, base, tx, init_params, h
 
 def bench_model(model: str, args, devices) -> dict:
     d = len(devices)
-    overrides = [*COMMON, *MODELS[model], f"mesh.dp={d}", f"precision.param_dtype={args.dtype}"]
+    overrides = [*COMMON, *MODELS[model], f"mesh.dp={d}", f"precision.param_dtype={args.dtype}", *args.set]
     base = loop.setup(load_config(None, [*overrides, "zero.strategy=no_shard", "zero.path=spec"]), devices)
     cfg, mesh = base.cfg, base.mesh
     # fp32 for the hand-written steps: their master params (jzero's main params start from the same values)
