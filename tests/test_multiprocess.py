@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import stderr_lines
 from jzero.cli import main
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
@@ -24,7 +25,6 @@ FAST = ["--set", f"distributed.timeout_s={TIMEOUT_S}", "--set", f"distributed.he
 STARTUP_S = 60  # importing JAX and compiling, 2-4 processes on 2 cores, before any bound starts
 IMPORT_S = 20  # starting Python and importing JAX, before the join's bound starts
 # JAX's CUDA plugin logs these at import, before absl logging is set up: nothing can silence them.
-NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
@@ -58,7 +58,7 @@ def _ends(procs: list[subprocess.Popen], within: float) -> list[tuple[int, str, 
 
 
 def _lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip() and not any(n in line for n in NOISE)]
+    return stderr_lines(stderr)
 
 
 def _one_line(stderr: str) -> str:

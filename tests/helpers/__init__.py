@@ -45,6 +45,15 @@ RANKS = "ranks"  # the reference's vmap axis over one micro-batch's DP ranks (th
 REFERENCE_DIR = "JZERO_TEST_REFERENCES"  # env var: the session's directory of computed references
 
 
+# What JAX's CUDA plugin writes to a child's stderr on a machine without an NVIDIA driver (before jzero holds it back).
+_CUDA_STUB_NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
+
+
+def stderr_lines(stderr: str) -> list[str]:
+    """A child process's stderr lines, blank ones and the CUDA plugin's import noise dropped."""
+    return [line for line in stderr.splitlines() if line.strip() and not any(n in line for n in _CUDA_STUB_NOISE)]
+
+
 def clip_by_global_norm(grads, max_norm: float | None):
     """The reference's clipping, Megatron's (docs/megatron.md): the grads times min(1, max_norm / (norm + 1e-6)),
     and the norm before clipping; max_norm None: no clipping."""

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import stderr_lines
 from jzero.train.preemption import GRACE_S
 
 # 24 unscanned blocks: their compile takes many seconds on CPU, the model stays tiny.
 SLOW_COMPILE = ["model.n_layers=24", "model.d_model=32", "model.d_ff=64", "model.seq_len=16", "data.kind=synthetic",
                 "train.steps=3"]
-NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
 
 
 def _start(out, *flags):
@@ -40,7 +40,7 @@ def _ends_after_sigterm(proc) -> tuple[str, float]:
         proc.kill()
     seconds = time.monotonic() - t
     assert proc.returncode == 143, err[-3000:]
-    return [line for line in err.splitlines() if line.strip() and not any(n in line for n in NOISE)], seconds
+    return stderr_lines(err), seconds
 
 
 @pytest.mark.slow

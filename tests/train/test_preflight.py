@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import stderr_lines
+
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 12 * 2**30  # ulimit -v: room for JAX and 8 CPU devices, not for these runs
-NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
 
 
 def _limited():
@@ -28,7 +29,7 @@ def _train(tmp_path, *sets: str, within: float) -> tuple[str, float]:
     proc = subprocess.run([sys.executable, "-m", "jzero.cli", "train", "--out", str(tmp_path / "out"), "--quiet",
                            *args], env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=_limited,
                           capture_output=True, text=True, timeout=within)
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not any(n in line for n in NOISE)]
+    lines = stderr_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("jzero: error: "), proc.stderr[-3000:]
     return lines[0], time.monotonic() - t
 
