@@ -134,12 +134,14 @@ class _Walk:
                 users[o].append(x)
         root = self.m.root(comp)
         roots = [] if root is None else [self.m.instr[o] for o in root.operands] if root.opcode == "tuple" else [root]
-        in_place = {r.operands[0] for r in roots if r.opcode == "dynamic-update-slice"}
+        roots = [self._unviewed(r) for r in roots]
+        updates = [r for r in roots if r.opcode == "dynamic-update-slice"]
+        in_place = {self._unviewed(self.m.instr[r.operands[0]]).name for r in updates}
         read = 0.0
         for k, operand in enumerate(i.operands):
             p = params.get(k)
-            if p in in_place and all(u.opcode == "dynamic-update-slice" for u in users[p]):
-                continue  # the buffer written in place: only its update moves
+            if p in in_place and all(u.opcode in ("dynamic-update-slice", "bitcast") for u in users[p]):
+                continue  # the buffer written in place (seen through a bitcast too): only its update moves
             sliced = None if p is None else self._sliced(p, users, 0)
             read += _bytes(self.m.shape(operand)) if sliced is None else sliced
         written = sum(
@@ -147,6 +149,12 @@ class _Walk:
             for r in roots
         )
         return read, written
+
+    def _unviewed(self, x: Instr) -> Instr:
+        """`x`, or what it is a bitcast of (a bitcast moves no data)."""
+        while x.opcode == "bitcast" and x.operands and x.operands[0] in self.m.instr:
+            x = self.m.instr[x.operands[0]]
+        return x
 
     def _sliced(self, name: str, users: dict, depth: int) -> float | None:
         """Bytes of `name` read, if it is read only through (dynamic) slices (after views); else None."""

@@ -60,3 +60,31 @@ def test_report_takes_the_targets_figures_and_the_peak_override():
     assert rep["line"].startswith("roofline ~ ") and "fp32" not in rep["line"]
     assert roofline_report("h100", text, peak_tflops=10.0)["peak_flops"] == 10e12
     assert roofline_report("cpu", text) is None
+
+
+# A fusion that writes one [D, D] update into an [8, D, D] stack it sees through a bitcast (XLA:GPU's form when
+# the stack's layout puts the scanned dim inside: LLaMA-2-7B's gathered-weight stacks).
+_IN_PLACE = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[8,1024,1024], p1: f32[1024,1024], p2: s32[]) -> f32[1024,8,1024] {
+  %p0 = f32[8,1024,1024]{1,0,2} parameter(0)
+  %b0 = f32[1024,8,1024]{2,1,0} bitcast(%p0)
+  %p1 = f32[1024,1024]{0,1} parameter(1)
+  %b1 = f32[1024,1,1024]{2,1,0} bitcast(%p1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = f32[1024,8,1024]{2,1,0} dynamic-update-slice(%b0, %b1, %c, %p2, %c)
+}
+
+ENTRY %main (a: f32[8,1024,1024], w: f32[1024,1024], i: s32[]) -> f32[1024,8,1024] {
+  %a = f32[8,1024,1024]{1,0,2} parameter(0)
+  %w = f32[1024,1024]{0,1} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[1024,8,1024]{2,1,0} fusion(%a, %w, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_an_update_in_place_through_a_bitcast_moves_only_the_update():
+    r = roofline(_IN_PLACE, PEAK, BANDWIDTH)
+    assert r.hbm_bytes == 2 * D * D * 4 + 4  # the update read and written, and the index; not the stack
