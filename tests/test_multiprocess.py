@@ -24,7 +24,6 @@ FAST = ["--set", f"distributed.timeout_s={TIMEOUT_S}", "--set", f"distributed.he
         "--set", "train.host_devices=4"]
 STARTUP_S = 60  # importing JAX and compiling, 2-4 processes on 2 cores, before any bound starts
 IMPORT_S = 20  # starting Python and importing JAX, before the join's bound starts
-# JAX's CUDA plugin logs these at import, before absl logging is set up: nothing can silence them.
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 

@@ -16,9 +16,9 @@ instruction of the entry computation and of the loops it runs, times their trip 
 
 The collectives are `timing`'s (their bytes travel the links). No kernel overlaps another here and
 none runs below its roofline, so the sum ranks programs and shows where their time goes (matmuls,
-or passes over memory); it does not predict a profile: on one H200 (2026-11-27, jax 0.11.2) the
-measured steps of the GPU bench took 1.4x (LLaMA-3.2-1B's shape) and 1.8x (GPT-2 small) their
-roofline (docs/inspect.md, "Roofline").
+or passes over memory); it does not predict a profile: the GPU bench's steps measured on one H200
+(2026-11-27, jax 0.11.2) took 1.38-1.39x (LLaMA-3.2-1B's shape) and 1.51-1.64x (GPT-2 small) the
+roofline of the same programs compiled deviceless with jax 0.10.2 (docs/inspect.md, "Roofline").
 """
 
 from __future__ import annotations
@@ -88,11 +88,17 @@ class _Walk:
             body = re.search(r"\bbody=%?([\w.\-]+)", i.attrs)
             trips = self.trips.trips(i) or 1
             return trips * self.computation(body.group(1), runs * trips) if body else 0.0
-        if i.opcode == "conditional":  # the costliest branch, counted once
-            return max((self.computation(c, runs) for c in i.called), default=0.0)
+        if i.opcode == "conditional":  # the costliest branch, counted once, its flops and bytes too
+            start = (self.dot_flops, self.fp32_flops, self.bytes)
+            branches = []
+            for c in i.called:
+                self.dot_flops, self.fp32_flops, self.bytes = start
+                branches.append((self.computation(c, runs), self.dot_flops, self.fp32_flops, self.bytes))
+            seconds, self.dot_flops, self.fp32_flops, self.bytes = max(branches, default=(0.0, *start))
+            return seconds
         if i.opcode in ("call", "async-start") and not self._collective(i):
             return sum(self.computation(c, runs) for c in i.called)
-        if i.opcode in _FREE or i.opcode.endswith("-done") or self._collective(i):
+        if i.opcode in _FREE or i.opcode.endswith(("-done", "-update")) or self._collective(i):
             return 0.0
         flops, fp32 = self._dots(i)
         read, written = self._fusion_bytes(i) if i.opcode == "fusion" else self._plain_bytes(i)

@@ -231,7 +231,8 @@ def _ce_fwd(logits, labels):
 
 def _ce_bwd(res, g):
     logits, labels, lse = res
-    one_hot = labels[..., None] == jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)  # int32: a narrower label dtype wraps
+    one_hot = labels[..., None].astype(jnp.int32) == vocab
     return (jnp.exp(logits - lse[..., None]) - one_hot) * g[..., None], None
 
 

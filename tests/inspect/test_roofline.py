@@ -88,3 +88,39 @@ ENTRY %main (a: f32[8,1024,1024], w: f32[1024,1024], i: s32[]) -> f32[1024,8,102
 def test_an_update_in_place_through_a_bitcast_moves_only_the_update():
     r = roofline(_IN_PLACE, PEAK, BANDWIDTH)
     assert r.hbm_bytes == 2 * D * D * 4 + 4  # the update read and written, and the index; not the stack
+
+
+# A conditional whose branches cost 8 KiB (negate a [D] vector) and 4 MiB (reduce a [D, D] matrix): the owned
+# path's update is one (`lax.switch` over the ranks).
+_BRANCHES = """HloModule c, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%small (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %n = f32[1024]{0} negate(%p)
+}
+
+%big (q: f32[1024,1024]) -> f32[1024] {
+  %q = f32[1024,1024]{1,0} parameter(0)
+  %z = f32[] constant(0)
+  ROOT %r = f32[1024]{0} reduce(%q, %z), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (k: pred[], x: f32[1024], y: f32[1024,1024]) -> f32[1024] {
+  %k = pred[] parameter(0)
+  %x = f32[1024]{0} parameter(1)
+  %y = f32[1024,1024]{1,0} parameter(2)
+  ROOT %c = f32[1024]{0} conditional(%k, %x, %y), true_computation=%small, false_computation=%big
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch_alone():
+    r = roofline(_BRANCHES, PEAK, BANDWIDTH)
+    assert r.hbm_bytes == D * D * 4 + 4 + D * 4  # the reduce's matrix and init read, its vector written
+    assert r.seconds == pytest.approx(r.hbm_bytes / BANDWIDTH)
