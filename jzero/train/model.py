@@ -188,6 +188,9 @@ def _lookup_bwd(res, g):
 embedding_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
+_HEAD = "...d,dv->...v"  # x [..., D] through head [D, V]
+
+
 @jax.custom_vjp
 def head_logits(x, head):
     """x [..., D] through head [D, V] -> fp32 logits [..., V] (the matmul accumulates in fp32).
@@ -196,7 +199,7 @@ def head_logits(x, head):
     layer's backward does under --bf16 (its logits, and so their grad, are bf16). The plain einsum's
     transpose keeps the fp32 grad and runs both in fp32, at half bf16's rate at best on an H100 (TF32):
     13% of LLaMA-3.2-1B's step flops (docs/precision.md). With fp32 params, the plain einsum's program."""
-    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    return jnp.einsum(_HEAD, x, head, preferred_element_type=jnp.float32)
 
 
 def _head_fwd(x, head):
@@ -205,7 +208,7 @@ def _head_fwd(x, head):
 
 def _head_bwd(res, g):
     x, head = res
-    _, vjp = jax.vjp(lambda x, head: jnp.einsum("...d,dv->...v", x, head), x, head)
+    _, vjp = jax.vjp(lambda x, head: jnp.einsum(_HEAD, x, head), x, head)
     return vjp(g.astype(jnp.result_type(x, head)))
 
 
