@@ -111,17 +111,17 @@ def _add_bias(y, layer: nnx.Dict):
 
 
 def rope(x, theta: float = 10000.0):
-    """Rotary position embedding (LLaMA's rotate-half form) of x[..., T, G, K], in fp32."""
-    t, k = x.shape[-3], x.shape[-1]
+    """Rotary position embedding (LLaMA's rotate-half form) of x[B, T, ..., K], in fp32."""
+    t, k = x.shape[1], x.shape[-1]
     freq = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)  # [K/2]
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None, None] * freq  # [T, 1, K/2]
+    angle = jnp.arange(t, dtype=jnp.float32).reshape(t, *[1] * (x.ndim - 3), 1) * freq  # [T, 1.., K/2]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def causal_attention(q, k, v, kernel: str):
-    """softmax(q k^T / sqrt(K)) v, causal: q [R, B, T, G, K], k and v [B, T, G, K] -> [B, T, H, K], query head
+    """softmax(q k^T / sqrt(K)) v, causal: q [B, T, R, G, K], k and v [B, T, G, K] -> [B, T, H, K], query head
     h = g * R + r attending kv head g.
 
     kernel "xla": written out, the [B, G, R, T, T] scores in fp32. kernel "cudnn": cuDNN's fused kernel
@@ -132,7 +132,7 @@ def causal_attention(q, k, v, kernel: str):
     q moved to [B, T, H, K] first, held 3 GiB more at LLaMA-2-7B ZeRO-1's peak on 8 H100s: 23.60 against
     20.54 GiB of temporaries, measured 2026-11-27.)"""
     if kernel == "xla":
-        scores = jnp.einsum("rbtgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+        scores = jnp.einsum("btrgk,bsgk->bgrts", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
         t = k.shape[1]
         # `where`, not an added mask (the same bits): the added one keeps no [B, H, T, T] residual but
         # XLA then leaves a ZeRO-3 backward gather exposed (docs/overlap.md, "Measured", memory).
@@ -144,7 +144,7 @@ def causal_attention(q, k, v, kernel: str):
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
 
-    q = jnp.moveaxis(q, 0, 3).reshape(*k.shape[:2], -1, k.shape[-1])  # [B, T, G, R, K] -> [B, T, H, K]
+    q = jnp.swapaxes(q, 2, 3).reshape(*k.shape[:2], -1, k.shape[-1])  # [B, T, G, R, K] -> [B, T, H, K]
     mesh = jax.sharding.get_abstract_mesh()
     auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     if not mesh.manual_axes or not auto:
@@ -172,10 +172,10 @@ class Attention(nnx.Module):
         self.attention = cfg.attention
 
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
-        qkv = jnp.einsum("btd,dsgk->sbtgk", x, self.qkv["kernel"][...])
-        if "bias" in self.qkv:
-            qkv = qkv + self.qkv["bias"][...][:, None, None]  # [R + 2, 1, 1, G_tp, K]
-        q, k, v = qkv[:-2], qkv[-2], qkv[-1]  # q [R, B, T, G, K]; k, v [B, T, G, K]
+        # Token-major, as the matmul writes it: [R + 2, B, T, ...] cost a transpose of the output and of its grad
+        # (experiments/bench/README.md, "Roofline, deviceless"); q, k, v are strided slices fusions read in place.
+        qkv = _add_bias(jnp.einsum("btd,dsgk->btsgk", x, self.qkv["kernel"][...]), self.qkv)  # bias [R + 2, G_tp, K]
+        q, k, v = qkv[:, :, :-2], qkv[:, :, -2], qkv[:, :, -1]  # q [B, T, R, G, K]; k, v [B, T, G, K]
         if self.rope:
             q, k = rope(q), rope(k)
         kernel = self.attention.kernel(jnp.dtype(q.dtype).name, q.shape[-1], jax.default_backend())
@@ -194,9 +194,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         if self.swiglu:
-            gate, up = jnp.einsum("btd,dsf->sbtf", x, self.fc1["kernel"][...])
-            if "bias" in self.fc1:  # [2, F_tp]: one bias for the gate, one for up
-                gate, up = gate + self.fc1["bias"][0], up + self.fc1["bias"][1]
+            # token-major, as the QKV projection (Attention.__call__)
+            h = _add_bias(jnp.einsum("btd,dsf->btsf", x, self.fc1["kernel"][...]), self.fc1)  # bias [2, F_tp]
+            gate, up = h[..., 0, :], h[..., 1, :]
             h = _recomputed(_swiglu)(gate, up)  # [B, T, F_tp]
         else:
             h = _add_bias(x @ self.fc1["kernel"][...], self.fc1)  # [B, T, F_tp]
