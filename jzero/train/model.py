@@ -29,7 +29,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -218,16 +217,31 @@ head_logits.defvjp(_head_fwd, _head_bwd)
 @jax.custom_vjp
 def cross_entropy(logits, labels):
     """Per token, logsumexp(logits) - logits[label]: fp32 logits [..., V], int labels [...] -> [...]
-    (`optax.softmax_cross_entropy_with_integer_labels`).
+    (`optax.softmax_cross_entropy_with_integer_labels` to fp32 rounding).
 
-    Its backward is one elementwise pass over the logits, (softmax - one_hot) x grad, with the one-hot a
-    comparison against an iota; autodiff's scatter-adds the labels' -1 into a zeroed [..., V] array and
-    adds it in a pass of its own (docs/precision.md)."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    The logsumexp is one pass over the logits (`_logsumexp`), where `jax.nn.logsumexp` takes two (the max,
+    then the sum). Its backward is one elementwise pass over the logits, (softmax - one_hot) x grad, with
+    the one-hot a comparison against an iota; autodiff's scatter-adds the labels' -1 into a zeroed [..., V]
+    array and adds it in a pass of its own (docs/precision.md)."""
+    return _ce_fwd(logits, labels)[0]
+
+
+def _logsumexp(logits):
+    """logsumexp over the last axis in one pass: a reduction of (running max, sum of exp(x - max)) pairs."""
+
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        hi, lo = jnp.maximum(ma, mb), jnp.minimum(ma, mb)
+        s_hi, s_lo = jnp.where(ma >= mb, sa, sb), jnp.where(ma >= mb, sb, sa)
+        return hi, s_hi + s_lo * jnp.exp(jnp.where(lo == hi, 0.0, lo - hi))  # both -inf (the inits): 0, not nan
+
+    init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.zeros((), logits.dtype))
+    m, s = jax.lax.reduce((logits, jnp.ones_like(logits)), init, combine, (logits.ndim - 1,))
+    return m + jnp.log(s)
 
 
 def _ce_fwd(logits, labels):
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = _logsumexp(logits)
     label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
     return lse - label_logits, (logits, labels, lse)
 

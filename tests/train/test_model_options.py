@@ -17,7 +17,7 @@ from helpers import assert_matches_reference, reference_run, rel_param_errors, r
 from jzero.config import AttentionImpl, ConfigError, ModelConfig, MoEConfig, PosKind, RematKind, load_config
 from jzero.run import build_run
 from jzero.train.layers import Attention, Keys
-from jzero.train.model import GPTModel, cross_entropy, head_logits
+from jzero.train.model import GPTModel, _logsumexp, cross_entropy, head_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_TINY = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, pos="rope")
@@ -296,6 +296,19 @@ def test_head_and_loss_are_optaxs_to_fp32_rounding():
     ours = jax.value_and_grad(lambda x, head: cross_entropy(head_logits(x, head), labels).mean(), (0, 1))(x, head)
     ref = jax.value_and_grad(plain, (0, 1))(x, head)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7), ours, ref)
+
+
+def test_the_losss_logsumexp_is_one_pass_over_the_logits():
+    """`_logsumexp` reduces the logits once (jax.nn.logsumexp: twice, the max then the sum), to fp32 rounding of
+    jax.nn.logsumexp, -inf for a row of -inf (its inits combine to 0, not nan) and +inf for a row holding +inf."""
+    x = 10 * jax.random.normal(jax.random.key(0), (3, 5, 1000))
+    x = x.at[0, 0].set(-jnp.inf).at[1, 1, 7].set(jnp.inf)
+    got, want = _logsumexp(x), jax.nn.logsumexp(x, axis=-1)
+    assert float(got[0, 0]) == -np.inf and float(got[1, 1]) == np.inf
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-6)
+    hlo = jax.jit(_logsumexp).lower(x).as_text()
+    assert hlo.count("stablehlo.reduce") == 1, hlo
 
 
 def _dot_operand_dtypes(jaxpr) -> set:
