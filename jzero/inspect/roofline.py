@@ -11,13 +11,14 @@ instruction of the entry computation and of the loops it runs, times their trip 
          counts it); a dot on fp32 operands at half the peak: XLA:GPU runs fp32 dots at TF32 by
          default, half the dense bf16 rate on an A100, H100 or H200;
   bytes: what it reads and writes, its operands and its result; a fusion's operand that it reads only
-         through (dynamic) slices counts as those slices, and a dynamic-update-slice into an
-         operand (in place) counts as the update written.
+         through (dynamic) slices or gathers counts as those slices (the rows an embedding lookup or
+         a label's logit picks), a dynamic-update-slice into an operand (in place) counts as the
+         update written, and a scatter into one (the embedding's grad) as its updates read and written.
 
 The collectives are `timing`'s (their bytes travel the links). No kernel overlaps another here and
 none runs below its roofline, so the sum ranks programs and shows where their time goes (matmuls,
 or passes over memory); it does not predict a profile: the GPU bench's steps measured on one H200
-(2026-11-27, jax 0.11.2) took 1.38-1.39x (LLaMA-3.2-1B's shape) and 1.51-1.64x (GPT-2 small) the
+(2026-11-27, jax 0.11.2) took 1.41-1.43x (LLaMA-3.2-1B's shape) and 1.64-1.78x (GPT-2 small) the
 roofline of the same programs compiled deviceless with jax 0.10.2 (docs/inspect.md, "Roofline").
 """
 
@@ -42,6 +43,7 @@ _FREE = {
 }  # fmt: skip
 _COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|ragged-all-to-all)")
 _VIEWS = ("bitcast", "convert", "reshape")  # an operand read through these and then sliced is read as the slices
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # writes into its operand 0: the index of what it writes
 
 
 def _bytes(shape: str) -> int:
@@ -141,19 +143,18 @@ class _Walk:
         root = self.m.root(comp)
         roots = [] if root is None else [self.m.instr[o] for o in root.operands] if root.opcode == "tuple" else [root]
         roots = [self._unviewed(r) for r in roots]
-        updates = [r for r in roots if r.opcode == "dynamic-update-slice"]
+        updates = [r for r in roots if r.opcode in _IN_PLACE]
         in_place = {self._unviewed(self.m.instr[r.operands[0]]).name for r in updates}
         read = 0.0
         for k, operand in enumerate(i.operands):
             p = params.get(k)
-            if p in in_place and all(u.opcode in ("dynamic-update-slice", "bitcast") for u in users[p]):
+            if p in in_place and all(u.opcode in (*_IN_PLACE, "bitcast") for u in users[p]):
                 continue  # the buffer written in place (seen through a bitcast too): only its update moves
             sliced = None if p is None else self._sliced(p, users, 0)
             read += _bytes(self.m.shape(operand)) if sliced is None else sliced
-        written = sum(
-            _bytes(self.m.shape(r.operands[1])) if r.opcode == "dynamic-update-slice" else _bytes(r.result)
-            for r in roots
-        )
+        written = sum(_bytes(self.m.shape(r.operands[_IN_PLACE[r.opcode]])) if r in updates else _bytes(r.result)
+                      for r in roots)  # fmt: skip
+        read += sum(_bytes(self.m.shape(r.operands[2])) for r in updates if r.opcode == "scatter")  # the old values
         return read, written
 
     def _unviewed(self, x: Instr) -> Instr:
@@ -168,7 +169,7 @@ class _Walk:
             return None
         total = 0.0
         for u in users[name]:
-            if u.opcode in ("slice", "dynamic-slice"):  # what it slices, or one of its start indices
+            if u.opcode in ("slice", "dynamic-slice", "gather"):  # what it picks, or one of its start indices
                 total += _bytes(u.result) if u.operands[0] == name else _bytes(self.m.shape(name))
             elif u.opcode in _VIEWS:
                 inner = self._sliced(u.name, users, depth + 1)

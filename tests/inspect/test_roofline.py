@@ -124,3 +124,17 @@ def test_a_conditional_counts_its_costliest_branch_alone():
     r = roofline(_BRANCHES, PEAK, BANDWIDTH)
     assert r.hbm_bytes == D * D * 4 + 4 + D * 4  # the reduce's matrix and init read, its vector written
     assert r.seconds == pytest.approx(r.hbm_bytes / BANDWIDTH)
+
+
+@needs_gpu_plugin
+def test_a_lookup_reads_the_rows_it_picks_and_its_grad_scatters_them_in_place():
+    """An embedding lookup's gather reads the rows it picks, not the table, and its grad's scatter-add reads and
+    writes those rows of the zeroed grad in place: the table's bytes move once, for the zeroing."""
+    rows, picked = 64 * D, 64  # a 256 MiB fp32 table
+
+    def grad(table, ids):
+        return jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0) ** 2))(table)
+
+    r = roofline(_compiled(grad, ((rows, D), jnp.float32), ((picked,), jnp.int32)), PEAK, BANDWIDTH)
+    table = rows * D * 4
+    assert table <= r.hbm_bytes < table + 16 * picked * D * 4  # counted as whole-table passes: 3-4 x the table
