@@ -106,6 +106,31 @@ def _linear(rngs: nnx.Rngs, shape, std: float, dtype, bias_shape) -> nnx.Dict:
     return nnx.Dict(kernel=kernel, bias=_zeros(bias_shape, dtype))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(eq: str, x, w):
+    """`jnp.einsum(eq, x, w)` of an activation x and a weight w whose backward makes w's grad in w's own dim order
+    (for "btd,dsf->btsf": einsum("btd,btsf->dsf")); x's grad is autodiff's. Autodiff's transpose makes the weight
+    grad of a projection with two output dims ([s, f]) in the output's order ([s, f, d]) and transposes it after,
+    which XLA:GPU runs in the layer loop's backward as a pass over the fp32 grad before its reduction: 3.5% of
+    LLaMA-2-7B's ZeRO-3 step at an H100's roofline (experiments/bench/README.md, "Roofline, deviceless")."""
+    return jnp.einsum(eq, x, w)
+
+
+def _project_fwd(eq, x, w):
+    return jnp.einsum(eq, x, w), (x, w)
+
+
+def _project_bwd(eq, res, g):
+    x, w = res
+    xs, rest = eq.split(",")
+    ws, ys = rest.split("->")
+    _, dx = jax.vjp(lambda x: jnp.einsum(eq, x, w), x)
+    return dx(g)[0], jnp.einsum(f"{xs},{ys}->{ws}", x, g)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
 def _add_bias(y, layer: nnx.Dict):
     return y + layer["bias"][...] if "bias" in layer else y
 
@@ -174,7 +199,7 @@ class Attention(nnx.Module):
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         # Token-major, as the matmul writes it: [R + 2, B, T, ...] cost a transpose of the output and of its grad
         # (experiments/bench/README.md, "Roofline, deviceless"); q, k, v are strided slices fusions read in place.
-        qkv = _add_bias(jnp.einsum("btd,dsgk->btsgk", x, self.qkv["kernel"][...]), self.qkv)  # bias [R + 2, G_tp, K]
+        qkv = _add_bias(project("btd,dsgk->btsgk", x, self.qkv["kernel"][...]), self.qkv)  # bias [R + 2, G_tp, K]
         q, k, v = qkv[:, :, :-2], qkv[:, :, -2], qkv[:, :, -1]  # q [B, T, R, G, K]; k, v [B, T, G, K]
         if self.rope:
             q, k = rope(q), rope(k)
@@ -195,7 +220,7 @@ class MLP(nnx.Module):
     def __call__(self, x, tp_axis=None):  # x [B, T, D]
         if self.swiglu:
             # token-major, as the QKV projection (Attention.__call__)
-            h = _add_bias(jnp.einsum("btd,dsf->btsf", x, self.fc1["kernel"][...]), self.fc1)  # bias [2, F_tp]
+            h = _add_bias(project("btd,dsf->btsf", x, self.fc1["kernel"][...]), self.fc1)  # bias [2, F_tp]
             gate, up = h[..., 0, :], h[..., 1, :]
             h = _recomputed(_swiglu)(gate, up)  # [B, T, F_tp]
         else:

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_matches_reference, reference_run, rel_param_errors, run_steps, tiny_config
 from jzero.config import AttentionImpl, ConfigError, ModelConfig, MoEConfig, PosKind, RematKind, load_config
 from jzero.run import build_run
-from jzero.train.layers import Attention, Keys
+from jzero.train.layers import Attention, Keys, project
 from jzero.train.model import GPTModel, _logsumexp, cross_entropy, head_logits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -309,6 +309,24 @@ def test_the_losss_logsumexp_is_one_pass_over_the_logits():
     np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-6)
     hlo = jax.jit(_logsumexp).lower(x).as_text()
     assert hlo.count("stablehlo.reduce") == 1, hlo
+
+
+def test_a_projections_weight_grad_is_made_in_the_weights_dim_order():
+    """`project`'s grads are autodiff's of the einsum to fp32 rounding, and its weight grad comes out of the dot in
+    the weight's dim order: no transpose after it (autodiff's transpose of "btd,dsf->btsf" makes [s, f, d] and
+    transposes it, a pass XLA:GPU runs over the fp32 grad in the layer loop's backward)."""
+    k = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(k[0], (2, 5, 8)), jax.random.normal(k[1], (8, 2, 6))
+    ct = jax.random.normal(k[2], (2, 5, 2, 6))
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f("btd,dsf->btsf", x, w) * ct)
+
+    ours, ref = (jax.grad(loss(f), (0, 1))(x, w) for f in (project, jnp.einsum))
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6), ours, ref)
+    prims = [str(e.primitive) for e in jax.make_jaxpr(jax.grad(loss(project), 1))(x, w).jaxpr.eqns]
+    ref_prims = [str(e.primitive) for e in jax.make_jaxpr(jax.grad(loss(jnp.einsum), 1))(x, w).jaxpr.eqns]
+    assert "transpose" in ref_prims and "transpose" not in prims, prims
 
 
 def _dot_operand_dtypes(jaxpr) -> set:
