@@ -95,7 +95,7 @@ MODELS = {  # name: config overrides on configs/default.yaml
     ],
     # GPU: LLaMA-3.2-1B's shape (1.24B: GQA 32/8 heads, SwiGLU, RMSNorm, RoPE, tied 128256 vocabulary), 4 x 2048
     # tokens, its 16 blocks unrolled: scanned, XLA:GPU copies each residual the backward keeps into its [L, ...]
-    # stack and out again (roofline 103.1 against 92.3 ms; README.md, "Roofline"; the hand-written step calls
+    # stack and out again (roofline 96.6 against 83.1 ms; README.md, "Roofline"; the hand-written step calls
     # the same loss).
     "llama1b": [
         "model.vocab_size=128256",

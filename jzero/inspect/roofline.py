@@ -43,7 +43,7 @@ _FREE = {
 }  # fmt: skip
 _COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|ragged-all-to-all)")
 _VIEWS = ("bitcast", "convert", "reshape")  # an operand read through these and then sliced is read as the slices
-_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # writes into its operand 0: the index of what it writes
+_IN_PLACE = ("dynamic-update-slice", "scatter")  # write into their first operand(s): `_in_place`
 
 
 def _bytes(shape: str) -> int:
@@ -143,8 +143,9 @@ class _Walk:
         root = self.m.root(comp)
         roots = [] if root is None else [self.m.instr[o] for o in root.operands] if root.opcode == "tuple" else [root]
         roots = [self._unviewed(r) for r in roots]
-        updates = [r for r in roots if r.opcode in _IN_PLACE]
-        in_place = {self._unviewed(self.m.instr[r.operands[0]]).name for r in updates}
+        parts = {r.name: self._in_place(r) for r in roots}
+        parts = {name: part for name, part in parts.items() if part is not None}
+        in_place = {self._unviewed(self.m.instr[b]).name for into, _ in parts.values() for b in into}
         read = 0.0
         for k, operand in enumerate(i.operands):
             p = params.get(k)
@@ -152,10 +153,26 @@ class _Walk:
                 continue  # the buffer written in place (seen through a bitcast too): only its update moves
             sliced = None if p is None else self._sliced(p, users, 0)
             read += _bytes(self.m.shape(operand)) if sliced is None else sliced
-        written = sum(_bytes(self.m.shape(r.operands[_IN_PLACE[r.opcode]])) if r in updates else _bytes(r.result)
-                      for r in roots)  # fmt: skip
-        read += sum(_bytes(self.m.shape(r.operands[2])) for r in updates if r.opcode == "scatter")  # the old values
+        updated = {name: sum(_bytes(self.m.shape(u)) for u in part[1]) for name, part in parts.items()}
+        written = sum(updated.get(r.name, _bytes(r.result)) for r in roots)
+        read += sum(updated[r.name] for r in roots if r.name in updated and r.opcode == "scatter")  # the old values
         return read, written
+
+    def _in_place(self, r: Instr) -> tuple[list[str], list[str]] | None:
+        """(the buffers root `r` writes into in place, what it writes there) for a dynamic-update-slice
+        (operand, update, indices...) or a scatter (operands..., indices, updates...) into fusion
+        parameters (seen through bitcasts); else None (a buffer made in the fusion is written whole)."""
+        ops = r.operands
+        if r.opcode == "dynamic-update-slice":
+            into, what = ops[:1], ops[1:2]
+        elif r.opcode == "scatter":
+            n = (len(ops) - 1) // 2
+            into, what = ops[:n], ops[n + 1 :]
+        else:
+            return None
+        if all(self._unviewed(self.m.instr[b]).opcode == "parameter" for b in into):
+            return into, what
+        return None
 
     def _unviewed(self, x: Instr) -> Instr:
         """`x`, or what it is a bitcast of (a bitcast moves no data)."""
@@ -178,7 +195,7 @@ class _Walk:
                 total += inner * _bytes(self.m.shape(name)) / max(_bytes(u.result), 1)  # in `name`'s dtype
             else:
                 return None
-        return total
+        return min(total, _bytes(self.m.shape(name)))  # a gather of repeated rows reads each once, at most
 
 
 def roofline(hlo_text: str, peak_flops: float, hbm_bandwidth: float) -> Roofline:

@@ -29,10 +29,16 @@ table shards over D_dp is sharded over the inner axes only and replicated across
 with `outer_strategy: optim` the fp32 main params and optimizer state (and ZeRO-2/3's
 reduced grads) are also split across dp_outer, inner axes first: `W[D_(inner, dp_outer), F_tp]`.
 
-Each tensor gets its largest dim that is free of tp and divisible by the DP size it is
-split over (else a tp-split dim divisible by that size x tp, split over DP then tp); the
-leading stacked-layer dims of a unit's params are never it. A tensor with no such dim stays
-replicated; `ShardingPlan.replicated()` lists it so nothing is silently unsharded.
+Each tensor gets a dim that is free of tp (a dim the tp spec names counts as free where tp is
+1) and divisible by the DP size it is split over: its major dim if that one is, else its
+largest (else the largest tp-split dim divisible by that size x tp, split over DP then tp); the
+leading stacked-layer dims of a unit's params are never it. The major dim first: XLA:GPU
+reduce-scatters and all-gathers along a tensor's major dim, so a shard on an inner dim costs a
+transpose of each grad before its reduction and of each gathered param after it (LLaMA-2-7B's
+output projection and second MLP matmul, split on their last dim `d` while the larger dim was
+tp's: ZeRO-3's step 284.8 -> 281.6 ms at an H100's roofline with tp 1, experiments/bench/README.md).
+A tensor with no such dim stays replicated; `ShardingPlan.replicated()` lists it so nothing is
+silently unsharded.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
-from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, axes_size, dp_axes, entry_axes, spec_axes
+from jzero.mesh import DENSE_DP_AXES, EP_AXIS, OUTER_AXIS, TP_AXIS, axes_size, dp_axes, entry_axes, spec_axes
 from jzero.zero.config import OuterStrategy, ShardingStrategy, Stage
 
 PyTree = Any
@@ -116,20 +122,27 @@ def _tp_size(mesh: Mesh, entry) -> int:
     return axes_size(mesh, entry_axes(entry))
 
 
+def _free_of_tp(mesh: Mesh, entry) -> bool:
+    """A dim's tp spec entry leaves it free: None, or the tp axis alone where it is 1 (not ep's: the expert dim)."""
+    return entry is None or (set(entry_axes(entry)) == {TP_AXIS} and _tp_size(mesh, entry) == 1)
+
+
 def choose_shard_dim(shape: tuple[int, ...], tp_spec: P, dp_size: int, mesh: Mesh, skip: int = 0) -> int | None:
     """The dim to split over the DP domain, or None if none fits.
 
-    The largest dim free of tp and divisible by `dp_size`; failing that, the largest
-    tp-split dim divisible by tp_size * dp_size (then split over DP and tp jointly).
-    The first `skip` dims (stacked layers) are never chosen, nor an empty one.
+    Of the dims free of tp (or named by a tp spec over a tp of 1) and divisible by `dp_size`:
+    the major one (the first after `skip`) if it is one of them (module docstring: why), else
+    the largest; failing all, the largest tp-split dim divisible by tp_size * dp_size (then
+    split over DP and tp jointly). The first `skip` dims (stacked layers) are never chosen,
+    nor an empty one.
     """
     if dp_size == 1:
         return None
     spec = list(tp_spec) + [None] * (len(shape) - len(tp_spec))
     dims = [i for i in range(skip, len(shape)) if shape[i] > 0]
-    free = [i for i in dims if spec[i] is None and shape[i] % dp_size == 0]
+    free = [i for i in dims if _free_of_tp(mesh, spec[i]) and shape[i] % dp_size == 0]
     if free:
-        return max(free, key=lambda i: (shape[i], -i))
+        return skip if free[0] == skip else max(free, key=lambda i: (shape[i], -i))
     joint = [i for i in dims if spec[i] is not None and shape[i] % (_tp_size(mesh, spec[i]) * dp_size) == 0]
     return max(joint, key=lambda i: (shape[i], -i)) if joint else None
 

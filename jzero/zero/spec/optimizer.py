@@ -66,7 +66,7 @@ def inner_state_shardings(inner: optax.GradientTransformation, plan: ShardingPla
     A leaf whose key path ends in a param's path and whose shape is the param's (Adam's
     mu and nu, MultiSteps' accumulated grads, ...) follows `plan.state_shardings()`. Any
     other leaf gets a spec of its own: replicated if it is a scalar or the strategy keeps
-    the state replicated, else its largest dim divisible by the DP size split over the axes
+    the state replicated, else a dim divisible by the DP size (`choose_shard_dim`) split over the axes
     the state of the param it belongs to (if any; else a dense param's) is split over, else
     replicated.
     """

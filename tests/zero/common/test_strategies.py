@@ -89,7 +89,7 @@ def test_fp32_params_have_no_second_copy():
 
 def test_choose_shard_dim():
     mesh = make_mesh(MeshConfig(dp=4, tp=2))
-    assert choose_shard_dim((257, 64), P(), 4, mesh) == 1  # largest divisible dim
+    assert choose_shard_dim((257, 64), P(), 4, mesh) == 1  # the divisible dim
     assert choose_shard_dim((64, 256), P(None, "tp"), 4, mesh) == 0  # free of tp
     assert choose_shard_dim((256,), P("tp"), 4, mesh) == 0  # joint tp x dp split
     assert choose_shard_dim((6,), P("tp"), 4, mesh) is None
@@ -105,12 +105,17 @@ def test_replicated_tensors_are_listed():
     assert make_plan(mesh, ShardingStrategy.NO_SHARD, params, specs).replicated() == []
 
 
-def test_the_largest_free_divisible_dim_is_split():
+def test_the_major_free_divisible_dim_is_split_else_the_largest():
+    """The major dim where it is free and divisible (XLA:GPU's collectives run along it, strategies.py), else
+    the largest."""
     mesh = pytree.mesh(dp=4, tp=2)
     assert choose_shard_dim((3, 8, 5), P(), 4, mesh) == 1  # the only dim 4 divides
-    assert choose_shard_dim((16, 12), P(), 4, mesh) == 0  # both divide: the larger
-    assert choose_shard_dim((12, 12), P(), 4, mesh) == 0  # a tie: the first
+    assert choose_shard_dim((16, 12), P(), 4, mesh) == 0  # both divide: the major
+    assert choose_shard_dim((12, 16), P(), 4, mesh) == 0  # the major, though the smaller
+    assert choose_shard_dim((6, 8, 16), P(), 4, mesh) == 2  # the major does not divide: the largest
     assert choose_shard_dim((8, 16), P(None, "tp"), 4, mesh) == 0  # 16 is tp's: not free
+    assert choose_shard_dim((16, 8, 12), P("tp"), 4, mesh) == 2  # the major is tp's (2): the largest free
+    assert choose_shard_dim((16, 8), P("tp"), 4, pytree.mesh(dp=4, tp=1)) == 0  # tp's, but tp is 1: free
     assert choose_shard_dim((6, 16), P(None, "tp"), 4, mesh) == 1  # no free dim: 16 = 4 x tp 2 x 2, jointly
     assert choose_shard_dim((6, 12), P(None, "tp"), 4, mesh) is None  # 12 is not a multiple of 4 x 2
     assert choose_shard_dim((16, 8), P(), 4, mesh, skip=1) == 1  # a stacked-layer dim never
