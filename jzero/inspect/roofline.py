@@ -131,8 +131,9 @@ class _Walk:
         return sum(_bytes(self.m.shape(o)) for o in set(i.operands)), _bytes(i.result)
 
     def _fusion_bytes(self, i: Instr) -> tuple[float, float]:
-        """(read, written) by a fusion: its operands (as slices, where only sliced) and its results (as
-        the updates, where a dynamic-update-slice writes into an operand in place)."""
+        """(read, written) by a fusion: its operands (as slices, where only sliced or gathered) and its
+        results (as the updates, where a dynamic-update-slice or scatter writes into an operand in place;
+        a scatter's also read)."""
         comp = i.called[0] if i.called else ""
         body = self.m.computations.get(comp, [])
         params = {int(x.operands[0]): x.name for x in body if x.opcode == "parameter" and x.operands[0].isdigit()}
@@ -181,7 +182,8 @@ class _Walk:
         return x
 
     def _sliced(self, name: str, users: dict, depth: int) -> float | None:
-        """Bytes of `name` read, if it is read only through (dynamic) slices (after views); else None."""
+        """Bytes of `name` read, if it is read only through (dynamic) slices or gathers (after views), at
+        most all of it; else None."""
         if not users[name] or depth > 4:
             return None
         total = 0.0
