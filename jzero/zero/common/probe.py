@@ -13,8 +13,10 @@ The miniature keeps every param's rank, and its shape up to `MINIATURE_ELEMENTS`
 largest dims are halved until it fits), so a chain that decides by a param's rank (a mask on
 `p.ndim`) decides on the miniature as on the params; one that decides by size beyond that is caught
 by comparing its update program on the two shapes (`_decides_by_size`). Its grads probe what a chain may
-do across elements: the first step's are scaled by `LARGE_GRADS` (any clip threshold below is
-crossed), the second carries one NaN (a skip of non-finite updates acts on the whole tree). Besides the
+do across elements: the first two steps' are N(0, 1) (SM3's second step takes a row's and a column's
+statistics of the first), the third's are scaled by `LARGE_GRADS` (any clip threshold below is crossed;
+run first, its moments would dwarf every later step's difference), the fourth carries one NaN (a skip of
+non-finite updates acts on the whole tree). Besides the
 updates, the scalars of the state the steps leave must agree: a statistic over the whole tree kept in the
 state (D-Adaptation's learning-rate estimate, used from the third step on) differs on a slice. A chain
 holding `optax.MultiSteps` or `optax.apply_every` emits an update only every k-th step and zeros in between,
@@ -46,11 +48,12 @@ PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
 MINIATURE_ELEMENTS = 64
 LARGE_GRADS = 1e8
-PROBE_STEPS = 2
+PROBE_STEPS = 4
+LARGE_STEP, NAN_STEP = 2, 3  # of the probe's steps (module docstring)
 MULTI_STEPS_PROBE = 64  # a chain with optax.MultiSteps: k <= 32 shows two emitted updates
 # check_per_tensor: a param stepped alone is a different XLA program (Newton-Schulz's matmuls fuse and sum
 # in another order: 1e-6 relative, measured on Muon); a chain coupling params differs by O(1) there (the
-# first step's grads are LARGE_GRADS: any clip crosses its threshold).
+# probe's third step's grads are LARGE_GRADS: any clip crosses its threshold).
 PER_TENSOR_TOLERANCE = 1e-4
 
 
@@ -91,8 +94,8 @@ def _miniature_shape(shape: tuple[int, ...]) -> list[int]:
 
 
 def _miniature(plan: ShardingPlan, steps: int = PROBE_STEPS, seed: int = 0) -> tuple[PyTree, list[PyTree]]:
-    """(params, `steps` steps of grads): random fp32 arrays of each param's miniature shape; the first
-    step's grads times LARGE_GRADS, the second's with a NaN in the first element of the largest param."""
+    """(params, `steps` steps of grads): random fp32 arrays of each param's miniature shape; step LARGE_STEP's
+    grads times LARGE_GRADS, step NAN_STEP's with a NaN in the first element of the largest param."""
     rng = np.random.default_rng(seed)
 
     def draw(t):
@@ -100,8 +103,8 @@ def _miniature(plan: ShardingPlan, steps: int = PROBE_STEPS, seed: int = 0) -> t
 
     params = jax.tree.map(draw, plan.tensors)
     grads = [jax.tree.map(draw, plan.tensors) for _ in range(steps)]
-    grads[0] = jax.tree.map(lambda g: g * LARGE_GRADS, grads[0])
-    largest = max(jax.tree.leaves(grads[1]), key=np.size, default=None)
+    grads[LARGE_STEP] = jax.tree.map(lambda g: g * LARGE_GRADS, grads[LARGE_STEP])
+    largest = max(jax.tree.leaves(grads[NAN_STEP]), key=np.size, default=None)
     if largest is not None and largest.size:
         largest.reshape(-1)[0] = np.nan
     as_arrays = lambda tree: jax.tree.map(jnp.asarray, tree)  # noqa: E731

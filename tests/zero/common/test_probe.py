@@ -57,8 +57,10 @@ def _mask_by_size(threshold):
         (optax.apply_if_finite(optax.adam(1e-2), 3), PLAN),  # skips the whole tree's update on one NaN
         (_mask_by_size(64), PLAN),  # w, v, s (72-120 elements) decayed, bias (6) not; a shard decides by its own size
         (_mask_by_size(10**6), LARGE_PLAN),  # w (2M) decayed, its shards (~0.8M) would not be
+        (optax.sm3(1e-2), PLAN),  # element-wise at its first step; its second reads rows' and columns' maxima
+        (optax.chain(optax.scale_by_sm3(), optax.scale_by_adam(), optax.scale(-1e-2)), PLAN),
     ],
-    ids=["clip-30", "apply-if-finite", "mask-by-size", "mask-by-size-beyond-the-miniature"],
+    ids=["clip-30", "apply-if-finite", "mask-by-size", "mask-by-size-beyond-the-miniature", "sm3", "sm3-then-adam"],
 )
 def test_a_chain_that_acts_across_elements_only_on_training_grads_or_sizes_is_refused(inner, plan):
     """Chains that were element-wise on the old probe's small N(0, 1) grads of a miniature whose dims
