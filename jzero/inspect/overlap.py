@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jzero.inspect import hlo
 from jzero.inspect.hlo_module import Instr, Module, dims, ints
@@ -163,6 +163,9 @@ class Overlap:
       window_flops: dot/conv flops between start and done; 0 for a synchronous collective.
       window_instructions: instructions between them (parameter, constant, tuple,
         get-tuple-element and bitcast not counted).
+      start, end: the positions of its start and its done in the computation's schedule (the window
+        is what lies between; end = start + 1 for a synchronous collective, the computation's length
+        for a done outside it).
     """
 
     collective: hlo.Collective
@@ -171,6 +174,8 @@ class Overlap:
     is_async: bool
     window_flops: float
     window_instructions: int
+    start: int = 0
+    end: int = 1
 
     @property
     def exposed(self) -> bool:
@@ -187,6 +192,8 @@ class Schedule:
       scheduled: the module is printed in schedule order (`is_scheduled=true`).
       entry: the entry computation's name (a collective elsewhere is in a loop or a call).
       unknown_trip_counts: loops XLA gave no trip count (counted once).
+      prefix_flops: per computation holding a collective, the dot/conv flops of its first n
+        instructions at index n (so a window (start, end) holds prefix[end] - prefix[start + 1]).
     """
 
     overlaps: tuple[Overlap, ...]
@@ -194,6 +201,12 @@ class Schedule:
     scheduled: bool
     entry: str
     unknown_trip_counts: int
+    prefix_flops: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def flops_between(self, computation: str, start: int, end: int) -> float:
+        """The dot/conv flops scheduled strictly between positions `start` and `end` of `computation`."""
+        prefix = self.prefix_flops[computation]
+        return prefix[end] - prefix[start + 1]
 
 
 def read_schedule(hlo_text: str, collectives: list[hlo.Collective] | None = None) -> Schedule:
@@ -206,7 +219,7 @@ def read_schedule(hlo_text: str, collectives: list[hlo.Collective] | None = None
     by_name = {c.name: c for c in collectives}
     by_computation = {c.computation: c for c in by_name.values()}
     runs = _runs(m, flops)
-    out = []
+    out, prefixes = [], {}
     for comp, body in m.computations.items():
         if comp != m.entry and all(c.opcode in ("fusion", "async-start") for c in m.callers.get(comp, [])):
             continue  # fused (never scheduled) or an async wrapper (its collective is measured at the start)
@@ -238,10 +251,13 @@ def read_schedule(hlo_text: str, collectives: list[hlo.Collective] | None = None
                     is_async=is_async,
                     window_flops=prefix_flops[end] - prefix_flops[n + 1],
                     window_instructions=prefix_count[end] - prefix_count[n + 1],
+                    start=n,
+                    end=end,
                 )
             )
+            prefixes[comp] = tuple(prefix_flops)
     step_flops = flops.computation(m.entry)
-    return Schedule(tuple(out), step_flops, m.scheduled, m.entry, len(flops.unknown_trips))
+    return Schedule(tuple(out), step_flops, m.scheduled, m.entry, len(flops.unknown_trips), prefixes)
 
 
 def _runs(m: Module, flops: Flops) -> dict[str, int]:

@@ -7,9 +7,9 @@ network when they span hosts (a ring that leaves the host is as fast as its netw
 exposed part is what the step waits for: per collective, its time beyond the compute in its window
 (the window's dot/conv flops at the card's peak), so all of it for a collective with none
 (`overlap.Overlap.exposed`) and the excess where a slow link outlasts the matmuls beside it (a
-communication-bound step). Two collectives in flight together share one window's compute, so
-there it is low. Beside it, the step's dot/conv flops at the card's peak are a lower bound on its
-compute. So a user reads "exposed comm ~ X ms against >= Y ms of compute per step".
+communication-bound step). Collectives XLA keeps in flight together on one link share it (each
+computation's schedule is played through, `_stalls`). Beside it, the step's dot/conv flops at the
+card's peak are a lower bound on its compute. So a user reads "exposed comm ~ X ms against >= Y ms of compute per step".
 
 Link figures per target (`LINKS`), per GPU and direction, from the vendors' specifications of
 the usual systems; `jzero hlo --nvlink-gbs/--network-gbs/--peak-tflops` overrides them:
@@ -85,9 +85,12 @@ def crosses_hosts(axes: tuple[str, ...], mesh: Mesh, hosts: np.ndarray) -> bool:
 
 
 def estimate(sch: Schedule, mesh: Mesh, links: Links) -> Timing:
-    """The `Timing` of the schedule `sch` of a step compiled for `mesh` (its devices' hosts)."""
+    """The `Timing` of the schedule `sch` of a step compiled for `mesh` (its devices' hosts): each
+    computation's DP collectives played against its matmuls (`_stalls`)."""
     hosts = host_of(mesh)
-    exposed = wire = network = 0.0
+    wire = network = 0.0
+    held: dict[str, list[_OnWire]] = {}
+    runs: dict[str, int] = {}
     for o in sch.overlaps:
         axes = hlo.axes_of_groups(o.collective.replica_groups, mesh)
         if not hlo.is_dp_traffic(o.collective.kind, axes):
@@ -96,9 +99,61 @@ def estimate(sch: Schedule, mesh: Mesh, links: Links) -> Timing:
         per_run = o.collective.wire_bytes / (links.network if across else links.nvlink)
         wire += per_run * o.runs
         network += per_run * o.runs if across else 0.0
-        exposed += max(0.0, per_run - o.window_flops / links.peak_flops) * o.runs  # beyond its window's compute
+        held.setdefault(o.computation, []).append(_OnWire(o.start, o.end, across, per_run, o.window_flops))
+        runs[o.computation] = o.runs
+    exposed = sum(_stalls(ons, sch.prefix_flops.get(comp), links.peak_flops) * runs[comp] for comp, ons in held.items())
     compute = sch.step_flops / links.peak_flops
     return Timing(exposed, wire, compute, network / wire if wire else 0.0)
+
+
+@dataclasses.dataclass
+class _OnWire:
+    """One DP collective of a computation: its start and done positions, link, and seconds alone on it."""
+
+    start: int
+    end: int
+    across: bool
+    seconds: float
+    window_flops: float
+
+
+def _stalls(ons: list[_OnWire], prefix: tuple[float, ...] | None, peak: float) -> float:
+    """Seconds one run of a computation waits at its collectives' dones: its instructions in schedule
+    order, each taking its dot/conv flops at `peak`, while the collectives started before it move on
+    their link, those on one link sharing it equally. A collective alone on its link waits
+    max(0, its time - its window's compute), as before the schedule kept two in flight; without the
+    computation's flops per position (`prefix` None), each collective is taken alone that way."""
+    if prefix is None:
+        return sum(max(0.0, o.seconds - o.window_flops / peak) for o in ons)
+    left = {id(o): o.seconds for o in ons}
+    flying: list[_OnWire] = []
+
+    def advance(dt: float, until: _OnWire | None = None) -> float:
+        """Run the links dt seconds (until `until` is off the wire, if given); the seconds that took."""
+        spent = 0.0
+        while flying and (dt > 0 if until is None else until in flying):
+            share = {a: sum(o.across == a for o in flying) for a in (False, True)}
+            step = min(left[id(o)] * share[o.across] for o in flying)
+            step = step if until is not None else min(step, dt)
+            for o in flying:
+                left[id(o)] -= step / share[o.across]
+            flying[:] = [o for o in flying if left[id(o)] > 1e-15]
+            spent, dt = spent + step, dt - step
+        return spent
+
+    starts = {o.start: o for o in ons}
+    dones: dict[int, list[_OnWire]] = {}
+    for o in ons:
+        dones.setdefault(o.end, []).append(o)
+    stalled = 0.0
+    for n in range(len(prefix)):
+        for o in dones.get(n, []):
+            stalled += advance(0.0, until=o) if o in flying else 0.0
+        if n in starts:
+            flying.append(starts[n])
+        if n + 1 < len(prefix):
+            advance((prefix[n + 1] - prefix[n]) / peak)
+    return stalled + sum(advance(0.0, until=o) for o in list(flying))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,3 +90,30 @@ def test_link_flags_refuse_what_is_not_a_positive_number(value, capsys):
     with pytest.raises(SystemExit) as e:
         main(["hlo", "--target", "h100", "--network-gbs", value])
     assert e.value.code == 2 and "--network-gbs" in capsys.readouterr().err
+
+
+def _played(order: str, across: str = "") -> float:
+    """`timing._stalls` of a schedule spelled one character per instruction: a letter starts that
+    collective (1 s alone on its link), its capital is its done, `m` a matmul of 1 s; `across` names the
+    collectives on the network (the rest share NVLink)."""
+    ons, prefix, starts = [], [0.0], {}
+    for n, c in enumerate(order):
+        prefix.append(prefix[-1] + (1.0 if c == "m" else 0.0))
+        if c.islower() and c != "m":
+            starts[c] = n
+        elif c.isupper():
+            ons.append(timing._OnWire(starts[c.lower()], n, c.lower() in across, 1.0, 0.0))
+    return timing._stalls(ons, tuple(prefix), peak=1.0)
+
+
+def test_collectives_in_flight_together_share_their_link():
+    """Two 1 s collectives started before one 1 s matmul: on one link they take 2 s and the step waits
+    1 s; on NVLink and the network each has the matmul to itself. One after the other, each has its own
+    window's compute, as a single collective is exposed beyond its window's compute."""
+    assert _played("abmAB") == pytest.approx(1.0)
+    assert _played("abmBA") == pytest.approx(1.0)
+    assert _played("abmAB", across="b") == pytest.approx(0.0)
+    assert _played("amAbmB") == pytest.approx(0.0)
+    assert _played("aAmbmmB") == pytest.approx(1.0)  # a waited for alone; b hidden
+    assert _played("abAmB") == pytest.approx(2.0)  # a waits at half rate, b done with it
+    assert _played("aA") == _played("aA", across="a") == pytest.approx(1.0)  # synchronous

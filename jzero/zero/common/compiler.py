@@ -50,7 +50,13 @@ pipelined all-reduces nor double buffering -> the all-reduces combined too: ZeRO
 43.5, ZeRO-3 774 -> 182 -> 169 ms. DDP on the 7B cut to 8 layers (the 32-layer model does not fit
 under DDP): 32.4 ms with one host's options, 22.2 with its three collectives combined, 15.3 now.
 Under `outer_strategy: optim` (reduce-scatters across dp_outer) the pipelining changes little
-(ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). Pipelined all-reduces stay where they span the whole
+(ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). ZeRO-3 under HSDP also lets XLA keep two collectives in
+flight (`TWO_IN_FLIGHT`, where the running XLA knows the option), the all-reduce between the hosts
+beside the gathers and reduce-scatters inside: one at a time, the layer loop's queued behind each
+other (2026-11-28: spec 38 -> 18 ms exposed at one micro-batch, flat 36 -> 10, at 8 micro-batches
+286 -> 109 and 273 -> 66; `outer_strategy: optim` 42 -> 41). ZeRO-2 under HSDP (spec 8.6 -> 20.4 ms)
+and ZeRO-3 on one host (spec 10.0 -> 34.6, where both would share NVLink) measured worse with it.
+Pipelined all-reduces stay where they span the whole
 DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
 exposed, 29.3 without, all of it) and the flat path's DDP under HSDP, Megatron's one all-reduce per
 bucket (244 ms with, 282 without).
@@ -90,6 +96,9 @@ COMBINE = {
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
     "all_reduces": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # DDP; HSDP: those across dp_outer
 }
+# HSDP's ZeRO-3: two collectives in flight at once, the all-reduce across dp_outer beside the gathers and
+# reduce-scatters inside (module docstring).
+TWO_IN_FLIGHT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 COMBINE["hierarchical"] = {  # DDP under HSDP: its reduce-scatter, all-reduce and all-gather per grad
     **COMBINE["reductions"], **COMBINE["all_reduces"], "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30
 }
@@ -99,14 +108,9 @@ COMBINE["hierarchical"] = {  # DDP under HSDP: its reduce-scatter, all-reduce an
 def pipeline_options(device: jax.Device) -> dict:
     """The collective pipeliner's options in the spelling the XLA of `device` takes (module docstring);
     {} with a warning where it takes none of them (the step then compiles without the pipeliner)."""
-    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=SingleDeviceSharding(device)))
     for options in PIPELINER_SPELLINGS:
-        try:
-            probe.compile(compiler_options=options)
+        if _takes(device, tuple(options.items())):
             return options
-        except jax.errors.JaxRuntimeError as e:
-            if "No such compile option" not in str(e):
-                raise
     warnings.warn(
         f"jzero: this XLA ({device.client.platform_version}) knows none of the collective pipeliner's options "
         f"{[sorted(o) for o in PIPELINER_SPELLINGS]}; ZeRO steps compile without it and overlap less "
@@ -114,6 +118,20 @@ def pipeline_options(device: jax.Device) -> dict:
         stacklevel=2,
     )
     return {}
+
+
+@functools.cache
+def _takes(device: jax.Device, options: tuple) -> bool:
+    """Whether the XLA of `device` knows the compile options `options` ((name, value) pairs), asked by
+    compiling a one-scalar program with them."""
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jnp.float32, sharding=SingleDeviceSharding(device)))
+    try:
+        probe.compile(compiler_options=dict(options))
+        return True
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" not in str(e):
+            raise
+        return False
 
 
 def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> dict:
@@ -131,4 +149,6 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
         options |= combine | (COMBINE["all_reduces"] if hsdp else {})
     elif config.path == ZeroPath.SPEC:  # DDP
         options |= COMBINE["hierarchical" if hsdp else "all_reduces"]
+    if hsdp and stage.shards_params and _takes(device, tuple(TWO_IN_FLIGHT.items())):
+        options |= TWO_IN_FLIGHT
     return options

@@ -96,3 +96,27 @@ def test_hsdp_pipelines_no_all_reduce(strategy, path):
     combine = {} if path == "flat" else spec
     assert options == {**{k: v for k, v in pipeline.items() if not k.endswith("all_reduce")}, **combine,
                        "xla_gpu_enable_while_loop_double_buffering": False}  # fmt: skip
+
+
+@needs_gpu_plugin
+@pytest.mark.parametrize("path", ["spec", "flat"])
+def test_hsdp_zero3_keeps_two_collectives_in_flight(path, monkeypatch):
+    """Under HSDP, ZeRO-3 lets XLA keep two collectives in flight (the all-reduce across dp_outer beside
+    the gathers and reduce-scatters inside), where this XLA knows the option; ZeRO-2 and one host's
+    ZeRO-3 do not (the test above has their options whole)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jzero.zero.common import compiler
+
+    mesh = gpu_mesh("h100", "2 x 1 x 8", (2, 8), ("dp_outer", "dp"))
+    options = step_compiler_options(mesh, ZeroConfig(strategy="optim_grads_params", path=path), 1)
+    assert compiler.TWO_IN_FLIGHT.items() <= options.items()
+    assert not compiler.TWO_IN_FLIGHT.keys() & step_compiler_options(mesh, ZeroConfig(strategy="optim_grads"), 1).keys()
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding)).compile(
+        compiler_options=options
+    )
+    monkeypatch.setattr(compiler, "TWO_IN_FLIGHT", {"xla_gpu_no_such_overlap_limit": 2})
+    options = step_compiler_options(mesh, ZeroConfig(strategy="optim_grads_params", path=path), 1)
+    assert "xla_gpu_no_such_overlap_limit" not in options
