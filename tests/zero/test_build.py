@@ -74,6 +74,42 @@ def test_optax_lookahead_is_refused_when_built(path, caplog):
     assert not [r for r in caplog.records if "no attribute `fast`" in r.getMessage()]
 
 
+@pytest.mark.parametrize("path", ["spec", "flat", "owned"])
+def test_a_python_scalar_param_trains_as_plain_optax(path):
+    """A Python float among the params (optax takes one) crashed init_state on the spec and flat paths."""
+
+    def init():
+        return {**pytree.init_params(), "t": 1.5}
+
+    def loss(params, batch, tp_axis=None):
+        return params["t"] * pytree.loss({k: v for k, v in params.items() if k != "t"}, batch)
+
+    z = build_zero(loss, optax.adam(1e-2), pytree.mesh(dp=4), jax.eval_shape(init), {**pytree.NO_TP, "t": P()},
+                   ZeroConfig("optim_grads", path))  # fmt: skip
+    state = z.init_state(init)
+    params, opt_state, tx = init(), optax.adam(1e-2).init(init()), optax.adam(1e-2)
+    for seed in range(2):
+        state, _ = z.step(state, jax.device_put(pytree.batch(seed), z.batch_sharding))
+        updates, opt_state = tx.update(jax.grad(loss)(params, pytree.batch(seed)), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    got = z.full_params(state.params)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(params[k]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (P("tp"), r"splits dim 0 of shape \(6,\) over 4 devices, which do not divide 6$"),
+    (P(None, "tp"), r"names 2 dims, but its shape \(6,\) has 1$"),
+])  # fmt: skip
+def test_a_tp_spec_that_does_not_fit_its_param_is_refused(spec, match):
+    """Before: JAX's IndivisibleError from inside the spec path's build; the flat path built, floored 6 / 4 and
+    failed in init_state on a reshape."""
+    for path in ("spec", "flat"):
+        with pytest.raises(ConfigError, match=r"^param bias: its spec .*" + match):
+            build_zero(pytree.loss, optax.adam(1e-2), pytree.mesh(dp=2, tp=4), pytree.abstract(),
+                       {**pytree.TP_SPECS, "bias": spec}, ZeroConfig("optim_grads", path))  # fmt: skip
+
+
 def test_a_zero_size_param_is_refused_where_jaxlibs_xla_would_crash_on_it():
     """jaxlib 0.11.2's XLA segfaults compiling a step with a 0-size param; 0.10.2 (and this machine's jax)
     trains it (tests/zero/test_optax_contract.py's `empty`)."""

@@ -201,7 +201,8 @@ def _scalars(state: PyTree, plan: ShardingPlan | None = None) -> list[jax.Array]
     """The scalar leaves of an inner state but those of a param's own state (its path ends in the param's,
     looked up in `plan`: a scalar param's moments); a flat shard's state has none of those."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    return [x for path, x in leaves if jnp.ndim(x) == 0 and (plan is None or plan.param_of(tuple(path)) is None)]
+    kept = [x for path, x in leaves if jnp.ndim(x) == 0 and (plan is None or plan.param_of(tuple(path)) is None)]
+    return [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in kept]  # bits
 
 
 def _scalars_differ(a: list[jax.Array], b: list[jax.Array]) -> bool:
@@ -209,7 +210,7 @@ def _scalars_differ(a: list[jax.Array], b: list[jax.Array]) -> bool:
     (a state laid out otherwise) are not compared."""
     if len(a) != len(b):
         return False
-    return any(_step_error(jnp.reshape(x, (1, 1)), jnp.reshape(y, (1, 1))) > TOLERANCE for x, y in zip(a, b))
+    return any(_step_error(jnp.reshape(x, (1, -1)), jnp.reshape(y, (1, -1))) > TOLERANCE for x, y in zip(a, b))
 
 
 def _on_slices(inner, params, grads, per_param: list[ParamGroup] | None) -> tuple[list[jax.Array], list]:

@@ -127,7 +127,7 @@ def init_train_state(
     """
 
     def init():
-        params = init_params()
+        params = jax.tree.map(jnp.asarray, init_params())  # a Python scalar leaf too, as optax takes one
         params = params if to_state is None else to_state(params)
         extra = None if model_state is None else model_state.init()
         return TrainState(params, init_opt(params), jnp.zeros((), jnp.int32), extra)

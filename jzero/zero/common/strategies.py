@@ -284,6 +284,22 @@ def path_name(path: tuple) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def _check_spec_fits(name: str, shape: tuple[int, ...], spec, mesh: Mesh) -> None:
+    """Raises ConfigError where the tensor-parallel spec names more dims than the param has, or splits a dim
+    over devices that do not divide it."""
+    if len(spec) > len(shape):
+        raise ConfigError(
+            f"param {name}: its spec {spec} names {len(spec)} dims, but its shape {shape} has {len(shape)}"
+        )
+    for dim, entry in enumerate(spec):
+        devices = axes_size(mesh, entry_axes(entry))
+        if shape[dim] % devices:
+            raise ConfigError(
+                f"param {name}: its spec {spec} splits dim {dim} of shape {shape} over {devices} devices, "
+                f"which do not divide {shape[dim]}"
+            )
+
+
 def make_plan(
     mesh: Mesh,
     stage: Stage | ShardingStrategy | str,
@@ -321,6 +337,7 @@ def make_plan(
                 + ("does not split it over 'ep'" if expert else "splits it over 'ep'")
                 + " (expert weights, and only they, have their expert dim split over 'ep')"
             )
+        _check_spec_fits(path_name(path), tuple(x.shape), spec, mesh)
         axes = dp_axes(expert)
         inner = tuple(a for a in axes if a not in outer)
         shard = inner + outer if outer_strategy == OuterStrategy.OPTIM else inner

@@ -189,6 +189,13 @@ def test_refuses_a_chain_that_couples_params():
         pytree.build("optim", "owned", dp=2, inner=optax.chain(optax.clip_by_global_norm(1e-3), optax.adam(1e-2)))
 
 
+def test_refuses_noise_drawn_for_the_whole_tree():
+    """optax.noisy_sgd splits one PRNG key over all the params' leaves: a rank holding some of them draws other
+    noise. Its key in the state crashed the probe's comparison of the state's scalars (TypeError) before."""
+    with pytest.raises(ConfigError, match="differently alone than among all params"):
+        pytree.build("optim", "owned", dp=2, inner=optax.noisy_sgd(0.1, eta=0.01, key=0))
+
+
 @pytest.mark.parametrize(
     "inner, match",
     [  # both trained wrong on this path before the probe ran past two steps and compared the state's scalars
