@@ -5,6 +5,7 @@ compile. Nothing here reads data: the harness attaches its datasets to the `Run`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,18 +59,25 @@ class Run:
 
         return jax.make_array_from_callback(shape, self.zero.batch_sharding, shard)
 
-    def evaluate(self, params, model_state=None) -> dict[str, float]:
+    def evaluate(self, params, model_state=None, stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """The validation loss (and the loss's metrics): the mean over `train.eval_batches` global batches
         of the validation data, batch i its "step" i, so every evaluation reads the same rows.
 
         Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings,
         with `model_state` (the train state's; None: the model's initial state, if it keeps one).
+        stop: asked before each batch (on every process alike: it may be a collective), each batch then
+        run to its end before the next is asked for; where it says True, the evaluation ends there and
+        returns None (a SIGTERM's save must not wait for the rest of it).
         """
         n = self.cfg.train.eval_batches
         total = None
         for i in range(n):
+            if stop is not None and stop():
+                return None
             m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset), model_state)
             total = m if total is None else jax.tree.map(jnp.add, total, m)
+            if stop is not None:
+                jax.block_until_ready(total)
         return {k: float(v) / n for k, v in jax.device_get(total).items()}
 
     def evaluates_at(self, step: int) -> bool:

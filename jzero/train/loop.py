@@ -206,9 +206,14 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
             if nonfinite_grads or not np.isfinite(row["loss"]):
                 f.write(row)
                 raise RunError(_stop_line(row, m, ckpt, nonfinite_grads))
+            stop = False
             if run.evaluates_at(step + 1):
                 peers.progress(step + 1, "evaluate")
-                row["val_loss"] = val_loss = run.evaluate(state.params, state.model_state)["loss"]
+                # A SIGTERM before or during the evaluation ends it and saves the step (within GRACE_S).
+                evaluated = run.evaluate(state.params, state.model_state, stop=preemption.requested)
+                stop = evaluated is None
+                if not stop:
+                    row["val_loss"] = val_loss = evaluated["loss"]
             f.write(row)
             metrics.append(row)
             bar.update(1)
@@ -216,7 +221,7 @@ def _loop(run: Run, state: TrainState, start: int, out_dir: Path | None, ckpt, p
                 gnorm = "skipped" if skipped else f"{row['grad_norm']:.3f}"
                 val = {} if val_loss is None else {"val": f"{val_loss:.4f}"}
                 bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=gnorm, **_scale_postfix(row), **val)
-            stop = preemption.requested()
+            stop = stop or preemption.requested()
             due = (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
             if ckpt is not None and (due or stop):
                 peers.progress(step + 1, "save")

@@ -19,6 +19,7 @@ from jzero.cli import main
 from jzero.errors import CheckpointError
 from jzero.train import ckpt_dir
 from jzero.train.ckpt_step import read_meta
+from jzero.train.preemption import GRACE_S
 
 TINY = ["--set", "model.n_layers=1", "--set", "model.seq_len=16", "--set", "model.d_model=32", "--set", "model.d_ff=64",
         "--set", "data.kind=synthetic", "--set", "train.global_batch=16", "--quiet"]
@@ -464,6 +465,36 @@ def test_sigterm_saves_the_step_exits_143_and_the_same_command_continues(tmp_pat
     proc = cli(*args, *sets(train__steps=last + 1))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in metrics(out)] == list(range(1, last + 2))
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_long_evaluation_saves_the_step_it_follows(tmp_path):
+    """The evaluation after step 2 reads thousands of batches, far beyond the grace: a SIGTERM in it (or
+    before it) ends it and saves step 2, its row without val_loss. Before, the run evaluated to the end,
+    the grace ran out and step 2 was lost (exit 143, the newest checkpoint step 0: none)."""
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    i = TINY.index("data.kind=synthetic")
+    tiny = TINY[: i - 1] + TINY[i + 1 :]  # text data, which has a validation split
+    args = ["train", "--out", str(out), *tiny,
+            *sets(train__steps=4, train__eval_every=2, train__eval_batches=100000, checkpoint__dir=ck,
+                  checkpoint__every=1000)]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", *args], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+            time.sleep(0.05)
+        time.sleep(1.0)  # step 2, then into its evaluation
+        proc.send_signal(signal.SIGTERM)
+        t = time.time()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert time.time() - t < GRACE_S
+    assert "jzero: stopped: SIGTERM: stopped after step 2; checkpoint step 2 is in" in err, err[-3000:]
+    assert saved_steps(ck) == [2]
+    assert [r["step"] for r in metrics(out)] == [1, 2] and "val_loss" not in metrics(out)[-1]
 
 
 @pytest.mark.slow
