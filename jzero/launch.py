@@ -7,11 +7,13 @@ spans N x host_devices devices. Process 0's stdout and stderr pass through (its 
 summary); the others' stderr lines come prefixed `[process i] `, and their stdout is dropped
 (only process 0 reports).
 
-SIGINT and SIGTERM are forwarded to every process (a second SIGINT kills them). When a process
-fails, the others get `GRACE_S` to end by themselves (each says in one line what it saw), after a
-forwarded signal `SIGNAL_GRACE_S`; then SIGTERM, then SIGKILL. The launcher's last line names
-the process that failed first, and its exit code is that process's (2 for a jzero error, 128 + S
-for signal S). Every wait is bounded, and no process outlives the launcher (Linux).
+N is at most `max_local()`, 4 per CPU core (at least 8). SIGINT and SIGTERM are forwarded to every
+process (a second SIGINT kills them); one that comes, or a process that fails, while they are being
+started stops the starting. When a process fails, the others get `GRACE_S` to end by themselves
+(each says in one line what it saw), after a forwarded signal `SIGNAL_GRACE_S`; then SIGTERM, then
+SIGKILL. The launcher's last line names the process that failed first, and its exit code is that
+process's (2 for a jzero error, 128 + S for signal S). Every wait is bounded, and no process outlives
+the launcher (Linux).
 """
 
 from __future__ import annotations
@@ -53,10 +55,20 @@ def add_parser(sub, train: argparse.ArgumentParser, check_train: Callable[[argpa
     p.set_defaults(fn=functools.partial(_cmd_launch, train=train, check_train=check_train))
 
 
+def max_local() -> int:
+    """The most processes `--local` starts: 4 per CPU core of this machine, at least 8."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
     n = args.local[0] if args.local else ""
     if not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--local N needs a number of processes >= 1 first, got {n!r}")
+    if int(n) > max_local():
+        raise ConfigError(
+            f"--local {int(n)}: at most {max_local()} processes on this machine ({os.cpu_count()} CPU cores, 4 each); "
+            "for more, run them on more hosts (docs/cluster.md)"
+        )
     train_args = args.local[1:]
     parsed = train.parse_args(train_args)  # a bad option: one line and exit 2, once
     given = [name for name in _SET_BY_LAUNCH if getattr(parsed, name) not in (None, False)]
@@ -74,9 +86,18 @@ def run_local(n: int, train_args: list[str], grace_s: float = GRACE_S) -> int:
     coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")  # on a GPU host every process would take every GPU
-    procs, readers = [], []
+    procs, readers, signals = [], [], []
+
+    def forward(signum, frame):
+        again = signum == signal.SIGINT and signal.SIGINT in signals
+        signals.append(signum)
+        _send(procs, signal.SIGKILL if again else signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i in range(n):
+            if signals or any(p.poll() not in (None, 0) for p in procs):
+                break  # a signal, or a process failed, while starting them: start no more
             quiet = i > 0
             cmd = [sys.executable, "-m", "jzero.cli", "train", *train_args, "--coordinator", coordinator,
                    "--num-processes", str(n), "--process-id", str(i)]
@@ -88,16 +109,18 @@ def run_local(n: int, train_args: list[str], grace_s: float = GRACE_S) -> int:
         for i, p in enumerate(procs[1:], start=1):  # threads only after the last fork
             readers.append(threading.Thread(target=_prefix, args=(p.stderr, f"[process {i}] "), daemon=True))
             readers[-1].start()
-        failed, signalled = _supervise(procs, grace_s)
+        failed = _supervise(procs, grace_s, signals)
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for p in procs:
             if p.poll() is None:  # the launcher itself failed: leave nothing behind
                 p.kill()
     for r in readers:
         r.join(1.0)
-    if signalled:
-        print("jzero: interrupted" if signalled == signal.SIGINT else "jzero: stopped: SIGTERM", file=sys.stderr)
-        return 128 + signalled
+    if signals:
+        print("jzero: interrupted" if signals[0] == signal.SIGINT else "jzero: stopped: SIGTERM", file=sys.stderr)
+        return 128 + signals[0]
     if failed is not None:
         i, code = failed
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -106,43 +129,32 @@ def run_local(n: int, train_args: list[str], grace_s: float = GRACE_S) -> int:
     return 0
 
 
-def _supervise(procs: list[subprocess.Popen], grace_s: float) -> tuple[tuple[int, int] | None, int | None]:
-    """Waits for every process, forwarding signals and stopping the rest after a failure.
+def _supervise(procs: list[subprocess.Popen], grace_s: float, signals: list[int]) -> tuple[int, int] | None:
+    """Waits for every process, stopping the rest after a failure or a signal (`signals`: those the
+    launcher's handler forwarded, appended as they come).
 
-    Returns ((process, exit code) of the first to fail or None, the first signal forwarded or None).
+    Returns (process, exit code) of the first to fail, or None.
     """
-    signals: list[int] = []
-
-    def forward(signum, frame):
-        again = signum == signal.SIGINT and signal.SIGINT in signals
-        signals.append(signum)
-        _send(procs, signal.SIGKILL if again else signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed, stop_at, escalated = None, None, -1
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            for i, code in enumerate(codes):
-                if failed is None and code not in (None, 0):
-                    failed = (i, code)
-            if all(code is not None for code in codes):
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if failed is None and code not in (None, 0):
+                failed = (i, code)
+        if all(code is not None for code in codes):
+            break
+        now = time.monotonic()
+        if stop_at is None and (failed or signals):
+            stop_at = now + (grace_s if failed else SIGNAL_GRACE_S)
+        if stop_at is not None and now > stop_at:
+            step = min(int((now - stop_at) // TERM_S), 2)  # 0: SIGTERM, 1: SIGKILL, 2: give up
+            if step == 2:  # unkillable (a process in uninterruptible I/O): stop waiting
                 break
-            now = time.monotonic()
-            if stop_at is None and (failed or signals):
-                stop_at = now + (grace_s if failed else SIGNAL_GRACE_S)
-            if stop_at is not None and now > stop_at:
-                step = min(int((now - stop_at) // TERM_S), 2)  # 0: SIGTERM, 1: SIGKILL, 2: give up
-                if step == 2:  # unkillable (a process in uninterruptible I/O): stop waiting
-                    break
-                if step == escalated + 1:
-                    escalated = step
-                    _send(procs, (signal.SIGTERM, signal.SIGKILL)[step])
-            time.sleep(_POLL_S)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return failed, signals[0] if signals else None
+            if step == escalated + 1:
+                escalated = step
+                _send(procs, (signal.SIGTERM, signal.SIGKILL)[step])
+        time.sleep(_POLL_S)
+    return failed
 
 
 def _send(procs: list[subprocess.Popen], signum: int) -> None:
@@ -160,7 +172,14 @@ def _end_with_launcher():
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    launcher = os.getpid()
+
+    def in_child():
+        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # the launcher died before the line above: nothing would tell us
+            os._exit(143)
+
+    return in_child
 
 
 def _prefix(stream, prefix: str) -> None:

@@ -4,6 +4,7 @@
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,39 @@ def test_layout_rank_out_of_range(path, sets, rank, message, capsys):
     for s in sets:
         argv += ["--set", s]
     assert error_line(argv, capsys) == f"jzero: error: {message}"
+
+
+def test_launch_refuses_more_processes_than_the_machine_holds(capsys, monkeypatch):
+    """Before, `--local 100000` went on starting processes (a load of 141 on 2 cores) until killed."""
+    from jzero import launch
+
+    monkeypatch.setattr(launch, "run_local", lambda *_: pytest.fail("processes started"))
+    n = launch.max_local() + 1
+    assert error_line(["launch", "--local", str(n)], capsys) == (
+        f"jzero: error: --local {n}: at most {n - 1} processes on this machine ({os.cpu_count()} CPU cores, 4 each); "
+        "for more, run them on more hosts (docs/cluster.md)"
+    )
+
+
+def test_launch_starts_no_more_processes_once_one_has_failed(monkeypatch, capsys):
+    """Each process here exits 3 at once (a real process, the launcher waiting for it before the next): the
+    launcher starts no second one and reports the first's failure."""
+    import subprocess
+
+    from jzero import launch
+
+    real, started = subprocess.Popen, []
+
+    def failing(cmd, **kwargs):
+        started.append(real([sys.executable, "-c", "raise SystemExit(3)"], **kwargs))
+        started[-1].wait(timeout=60)
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", failing)
+    assert launch.run_local(5, []) == 3
+    assert len(started) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "jzero: error: process 0 of 5 exited with code 3; the run stopped"
 
 
 @pytest.mark.parametrize("out_is", ["file", "another run's"])
