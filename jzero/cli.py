@@ -19,6 +19,7 @@ from jzero import peers
 from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
 from jzero.imports import quiet_cuda_stub
+from jzero.paths import nearest_existing
 from jzero.zero.config import ZeroPath
 
 
@@ -99,9 +100,8 @@ def check_train_args(args) -> tuple[Config, Path]:
     out = Path(args.out) if args.out else Path("runs")
     # Before JAX starts, and creating nothing: could `train` make `out` and write in it?
     name = f"--out {out}" if args.out else f"output directory {out}/<timestamp>"
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        what = "a file, not a directory" if existing.is_file() else "not a directory"
+    existing, what = nearest_existing(out)
+    if what is not None:
         raise ConfigError(f"{name} is {what}" if args.out and existing == out else f"{name}: {existing} is {what}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name}: directory {existing} is not writable")

@@ -259,7 +259,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory, not a file")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            what = "is not a regular file (a FIFO, socket or device)" if path.exists() else "does not exist"
+            raise ConfigError(f"config file {path} {what}")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:

@@ -87,6 +87,33 @@ def test_out_is_under_a_file(tmp_path, capsys):
     assert sorted(tmp_path.iterdir()) == [out.parents[1]]
 
 
+def test_out_is_a_dangling_symlink(tmp_path, capsys):
+    """Before, "dangl: File exists" (os.mkdir on the link)."""
+    out = tmp_path / "dangl"
+    out.symlink_to(tmp_path / "gone")
+    err = error_line(["train", "--out", str(out)], capsys)
+    assert err == f"jzero: error: --out {out} is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+
+
+def test_data_prepare_under_a_file(tmp_path, capsys):
+    """Before, "afile: File exists" (mkdir of OUT_PREFIX's parents)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    err = error_line(["data", "prepare", str(tmp_path / "src"), str(afile / "p")], capsys)
+    assert err == f"jzero: error: OUT_PREFIX {afile / 'p'}: {afile} is a file, not a directory"
+    assert afile.read_text() == "mine"
+
+
+def test_config_file_that_is_a_fifo(tmp_path, capsys):
+    """Before, "does not exist"."""
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    err = error_line(["train", str(fifo)], capsys)
+    assert err == f"jzero: error: config file {fifo} is not a regular file (a FIFO, socket or device)"
+
+
 def test_out_is_not_writable(tmp_path, capsys, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, load_config
+from jzero.paths import nearest_existing
 from jzero.zero.config import ShardingStrategy, ZeroPath
 
 # The keys of `targets.TARGETS` (not imported here: it imports JAX, which must start later).
@@ -110,9 +111,9 @@ def _check_json(path: str | None) -> None:
     out = Path(path)
     if out.exists() or out.is_symlink():
         raise ConfigError(f"--json {out} exists: jzero never replaces a file it did not write; name a new file")
-    existing = next(p for p in out.parents if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"--json {out}: {existing} is not a directory")
+    existing, what = nearest_existing(out.parent)
+    if what is not None:
+        raise ConfigError(f"--json {out}: {existing} is {what}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--json {out}: directory {existing} is not writable")
 

@@ -251,8 +251,12 @@ class Checkpointer:
         """Restores `step` straight into this run's shardings (no array is gathered whole).
 
         Raises DamagedStep if its files are unreadable or an array differs from its fingerprint,
-        CheckpointError if it does not fit the model.
+        CheckpointError if it does not fit the model, or there is no complete step `step`.
         """
+        steps = self.steps()
+        if step not in steps:
+            have = f"its steps are {', '.join(map(str, steps))}" if steps else "it holds no complete step"
+            raise CheckpointError(f"no checkpoint step {step} in {self.directory}: {have}")
         try:
             meta = self.meta(step)
         except CheckpointError as e:

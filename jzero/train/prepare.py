@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jzero.errors import ConfigError, one_line
+from jzero.paths import nearest_existing
 from jzero.train.data import text_files
 from jzero.train.indexed import optimal_dtype, write_indexed
 
@@ -65,6 +66,9 @@ def prepare(src: str, out_prefix: str, tokenizer: str | None = None) -> dict:
             f"OUT_PREFIX {out_prefix!r} names no file: give a path prefix such as data/mine "
             "(it writes data/mine.bin + data/mine.idx)"
         )
+    existing, what = nearest_existing(Path(out_prefix).parent)
+    if what is not None:
+        raise ConfigError(f"OUT_PREFIX {out_prefix}: {existing} is {what}")
     root = Path(src)
     if not root.is_dir():
         raise ConfigError(f"SRC_DIR {src} is not a directory")

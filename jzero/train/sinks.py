@@ -33,6 +33,7 @@ import numpy as np
 
 from jzero.config import Config, to_dict
 from jzero.errors import ConfigError, one_line
+from jzero.paths import nearest_existing
 
 NONFINITE = "nonfinite"  # the row's key naming its values written as null: {key: "nan" | "inf" | "-inf"}
 _KINDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -104,9 +105,8 @@ def _scalars(row: dict) -> dict[str, float]:
 def _writable_dir(key: str, value: str) -> None:
     """ConfigError unless `value` is, or can be made, a directory this process writes into."""
     path = Path(value).expanduser()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        what = "a file, not a directory" if existing.is_file() else "not a directory"
+    existing, what = nearest_existing(path)
+    if what is not None:
         where = "" if existing == path else f": {existing}"
         raise ConfigError(f"train.{key}={value!r}{where} is {what}: give a directory (it is created if missing)")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -174,7 +174,7 @@ def test_json_never_replaces_a_file(tmp_path, capsys):
         "file"
     assert mine.read_text() == "precious\n"
     assert jzero(["hlo", "--json", str(mine / "x.json")]) == 2
-    assert f"--json {mine / 'x.json'}: {mine} is not a directory" in capsys.readouterr().err
+    assert f"--json {mine / 'x.json'}: {mine} is a file, not a directory" in capsys.readouterr().err
 
 
 def test_gpu_target_without_plugin_says_what_to_install(monkeypatch, capsys):

@@ -497,6 +497,19 @@ def test_sigterm_during_a_long_evaluation_saves_the_step_it_follows(tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2] and "val_loss" not in metrics(out)[-1]
 
 
+def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path, capsys):
+    """Before, export-megatron --step 5 said "metadata unreadable (ValueError: No step path found ...)"."""
+    ck = tmp_path / "ck"
+    model = [a for a in TINY if a.startswith("model.")]
+    assert main(["train", "--out", str(tmp_path / "o"), *TINY,
+                 *sets(train__steps=2, checkpoint__dir=ck, checkpoint__every=2, checkpoint__async="false")]) == 0
+    capsys.readouterr()
+    argv = ["ckpt", "export-megatron", str(ck), str(tmp_path / "out"), *[a for m in model for a in ("--set", m)],
+            "--step", "5"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"jzero: error: no checkpoint step 5 in {ck.resolve()}: its steps are 2\n"
+
+
 @pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     ck = tmp_path / "ck"

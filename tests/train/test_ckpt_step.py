@@ -48,8 +48,14 @@ def test_a_step_fits_a_model_of_its_shapes_and_dtypes_whatever_its_step():
         "params/blocks/1/w: checkpoint [4, 3] vs model [4, 2]"
     )
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state())
-    with pytest.raises(CheckpointError, match=r"^checkpoint step 6: dtypes differ for \['opt_state/0/mu/bias'"):
+    with pytest.raises(CheckpointError) as e:
         check_fits(6, "ck", meta_of(half), target)
+    assert str(e.value).startswith("checkpoint step 6 in ck: dtypes differ (")
+    assert "opt_state/0/mu/bias: checkpoint bfloat16 vs model float32" in str(e.value)
+    assert str(e.value).endswith("(set precision.param_dtype and optimizer.moments_dtype as the run that saved it did)")
+    moments = {**state(), "opt_state": half["opt_state"]}  # optimizer.moments_dtype=bfloat16 alone
+    with pytest.raises(CheckpointError, match=r"\(set optimizer.moments_dtype as the run that saved it did\)$"):
+        check_fits(6, "ck", meta_of(moments), target)
 
 
 def test_a_fifo_as_the_metadata_is_a_damaged_step_not_a_hang(tmp_path):

@@ -1,0 +1,20 @@
+"""Where a run may write: the checks made before anything is created."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def nearest_existing(path: Path) -> tuple[Path, str | None]:
+    """The nearest of `path` and its parents that exists, a symbolic link counting (dangling or not), and
+    what it is where a directory cannot be made at `path` under it: None where it is a directory, else
+    "a file, not a directory", "a symbolic link to T, which does not exist" or "not a directory"."""
+    existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+    if existing.is_dir():
+        return existing, None
+    if existing.is_file():
+        return existing, "a file, not a directory"
+    if existing.is_symlink() and not existing.exists():
+        return existing, f"a symbolic link to {os.readlink(existing)}, which does not exist"
+    return existing, "not a directory"
