@@ -7,7 +7,7 @@ spans N x host_devices devices. Process 0's stdout and stderr pass through (its 
 summary); the others' stderr lines come prefixed `[process i] `, and their stdout is dropped
 (only process 0 reports).
 
-N is at most `max_local()`, 4 per CPU core (at least 8). SIGINT and SIGTERM are forwarded to every
+N is at most `max_local()`, 4 per CPU (at least 8). SIGINT and SIGTERM are forwarded to every
 process (a second SIGINT kills them); one that comes, or a process that fails, while they are being
 started stops the starting. When a process fails, the others get `GRACE_S` to end by themselves
 (each says in one line what it saw), after a forwarded signal `SIGNAL_GRACE_S`; then SIGTERM, then
@@ -55,9 +55,14 @@ def add_parser(sub, train: argparse.ArgumentParser, check_train: Callable[[argpa
     p.set_defaults(fn=functools.partial(_cmd_launch, train=train, check_train=check_train))
 
 
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container's limits set), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def max_local() -> int:
-    """The most processes `--local` starts: 4 per CPU core of this machine, at least 8."""
-    return max(8, 4 * (os.cpu_count() or 1))
+    """The most processes `--local` starts: 4 per CPU this process may run on, at least 8."""
+    return max(8, 4 * cpus())
 
 
 def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
@@ -66,7 +71,7 @@ def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
         raise ConfigError(f"--local N needs a number of processes >= 1 first, got {n!r}")
     if int(n) > max_local():
         raise ConfigError(
-            f"--local {int(n)}: at most {max_local()} processes on this machine ({os.cpu_count()} CPU cores, 4 each); "
+            f"--local {int(n)}: at most {max_local()} processes on this machine ({cpus()} CPUs, 4 each); "
             "for more, run them on more hosts (docs/cluster.md)"
         )
     train_args = args.local[1:]
@@ -87,9 +92,12 @@ def run_local(n: int, train_args: list[str], grace_s: float = GRACE_S) -> int:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")  # on a GPU host every process would take every GPU
     procs, readers, signals = [], [], []
+    told = [0]  # processes the first forwarded signal reached (one forked as it came is told after the loop)
 
     def forward(signum, frame):
         again = signum == signal.SIGINT and signal.SIGINT in signals
+        if not signals:
+            told[0] = len(procs)
         signals.append(signum)
         _send(procs, signal.SIGKILL if again else signum)
 
@@ -106,6 +114,8 @@ def run_local(n: int, train_args: list[str], grace_s: float = GRACE_S) -> int:
                 start_new_session=True,  # the terminal's Ctrl-C reaches the launcher only, which forwards it once
                 preexec_fn=_end_with_launcher(),
             ))
+        if signals:  # once each: a second SIGTERM would abandon a process's save
+            _send(procs[told[0]:], signals[0])
         for i, p in enumerate(procs[1:], start=1):  # threads only after the last fork
             readers.append(threading.Thread(target=_prefix, args=(p.stderr, f"[process {i}] "), daemon=True))
             readers[-1].start()

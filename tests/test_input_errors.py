@@ -268,7 +268,7 @@ def test_launch_refuses_more_processes_than_the_machine_holds(capsys, monkeypatc
     monkeypatch.setattr(launch, "run_local", lambda *_: pytest.fail("processes started"))
     n = launch.max_local() + 1
     assert error_line(["launch", "--local", str(n)], capsys) == (
-        f"jzero: error: --local {n}: at most {n - 1} processes on this machine ({os.cpu_count()} CPU cores, 4 each); "
+        f"jzero: error: --local {n}: at most {n - 1} processes on this machine ({launch.cpus()} CPUs, 4 each); "
         "for more, run them on more hosts (docs/cluster.md)"
     )
 

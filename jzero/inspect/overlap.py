@@ -203,11 +203,6 @@ class Schedule:
     unknown_trip_counts: int
     prefix_flops: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
-    def flops_between(self, computation: str, start: int, end: int) -> float:
-        """The dot/conv flops scheduled strictly between positions `start` and `end` of `computation`."""
-        prefix = self.prefix_flops[computation]
-        return prefix[end] - prefix[start + 1]
-
 
 def read_schedule(hlo_text: str, collectives: list[hlo.Collective] | None = None) -> Schedule:
     """The collectives of a compiled module with their windows (module docstring); `collectives`:

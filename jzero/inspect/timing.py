@@ -153,7 +153,7 @@ def _stalls(ons: list[_OnWire], prefix: tuple[float, ...] | None, peak: float) -
             flying.append(starts[n])
         if n + 1 < len(prefix):
             advance((prefix[n + 1] - prefix[n]) / peak)
-    return stalled + sum(advance(0.0, until=o) for o in list(flying))
+    return stalled  # every done is at or before position len(prefix) - 1: none is left flying
 
 
 @dataclasses.dataclass(frozen=True)

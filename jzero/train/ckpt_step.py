@@ -139,12 +139,12 @@ def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
         )
     dtypes = sorted(n for n in set(want) & set(have) if want[n][1] != have[n][1])
     if dtypes:
-        in_state = [n for n in dtypes if n.startswith("opt_state/")]  # Adam's moments; the others are params
-        keys = ["precision.param_dtype"] * (len(in_state) < len(dtypes)) + ["optimizer.moments_dtype"] * bool(in_state)
+        keys = [k for prefix, k in (("params/", "precision.param_dtype"), ("opt_state/", "optimizer.moments_dtype"))
+                if any(n.startswith(prefix) for n in dtypes)]  # fmt: skip
         detail = "; ".join(f"{n}: checkpoint {have[n][1]} vs model {want[n][1]}" for n in dtypes[:5])
         raise CheckpointError(
-            f"checkpoint step {step} in {directory}: dtypes differ ({len(dtypes)} arrays): {detail} "
-            f"(set {' and '.join(keys)} as the run that saved it did)"
+            f"checkpoint step {step} in {directory}: dtypes differ ({len(dtypes)} arrays): {detail}"
+            + (f" (set {' and '.join(keys)} as the run that saved it did)" if keys else "")
         )
 
 

@@ -94,15 +94,17 @@ def test_link_flags_refuse_what_is_not_a_positive_number(value, capsys):
 
 def _played(order: str, across: str = "") -> float:
     """`timing._stalls` of a schedule spelled one character per instruction: a letter starts that
-    collective (1 s alone on its link), its capital is its done, `m` a matmul of 1 s; `across` names the
-    collectives on the network (the rest share NVLink)."""
-    ons, prefix, starts = [], [0.0], {}
+    collective (1 s alone on its link), its capital is its done (none: done in the next iteration, as a
+    pipelined one's), `m` a matmul of 1 s; `across` names the collectives on the network (the rest share
+    NVLink)."""
+    prefix, starts, ends = [0.0], {}, {}
     for n, c in enumerate(order):
         prefix.append(prefix[-1] + (1.0 if c == "m" else 0.0))
         if c.islower() and c != "m":
             starts[c] = n
         elif c.isupper():
-            ons.append(timing._OnWire(starts[c.lower()], n, c.lower() in across, 1.0, 0.0))
+            ends[c.lower()] = n
+    ons = [timing._OnWire(n, ends.get(c, len(order)), c in across, 1.0, 0.0) for c, n in starts.items()]
     return timing._stalls(ons, tuple(prefix), peak=1.0)
 
 
@@ -117,3 +119,7 @@ def test_collectives_in_flight_together_share_their_link():
     assert _played("aAmbmmB") == pytest.approx(1.0)  # a waited for alone; b hidden
     assert _played("abAmB") == pytest.approx(2.0)  # a waits at half rate, b done with it
     assert _played("aA") == _played("aA", across="a") == pytest.approx(1.0)  # synchronous
+    assert _played("am") == pytest.approx(0.0)  # pipelined: the rest of the iteration overlaps it
+    assert _played("abm") == pytest.approx(1.0)
+    alone = [timing._OnWire(0, 3, False, 1.0, 0.5), timing._OnWire(4, 6, False, 1.0, 2.0)]
+    assert timing._stalls(alone, None, peak=1.0) == pytest.approx(0.5)  # no flops per position: each by its window

@@ -50,12 +50,14 @@ pipelined all-reduces nor double buffering -> the all-reduces combined too: ZeRO
 43.5, ZeRO-3 774 -> 182 -> 169 ms. DDP on the 7B cut to 8 layers (the 32-layer model does not fit
 under DDP): 32.4 ms with one host's options, 22.2 with its three collectives combined, 15.3 now.
 Under `outer_strategy: optim` (reduce-scatters across dp_outer) the pipelining changes little
-(ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms). ZeRO-3 under HSDP also lets XLA keep two collectives in
-flight (`TWO_IN_FLIGHT`, where the running XLA knows the option), the all-reduce between the hosts
+(ZeRO-2 32.8 -> 33.5, ZeRO-3 35.0 -> 32.3 ms); those figures are of 2026-11-27. ZeRO-3 under HSDP whose
+dp_outer spans hosts also lets XLA keep two collectives in flight (`TWO_IN_FLIGHT`, where the running XLA
+knows the option; else it compiles without, as before), the all-reduce between the hosts
 beside the gathers and reduce-scatters inside: one at a time, the layer loop's queued behind each
 other (2026-11-28: spec 38 -> 18 ms exposed at one micro-batch, flat 36 -> 10, at 8 micro-batches
 286 -> 109 and 273 -> 66; `outer_strategy: optim` 42 -> 41). ZeRO-2 under HSDP (spec 8.6 -> 20.4 ms)
-and ZeRO-3 on one host (spec 10.0 -> 34.6, where both would share NVLink) measured worse with it.
+and ZeRO-3 on one host (spec 10.0 -> 34.6, where both would share NVLink; flat 16.5 -> 11.7 at one
+micro-batch but 45.6 -> 112 at 8) measured worse with it.
 Pipelined all-reduces stay where they span the whole
 DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
 exposed, 29.3 without, all of it) and the flat path's DDP under HSDP, Megatron's one all-reduce per
@@ -134,6 +136,12 @@ def _takes(device: jax.Device, options: tuple) -> bool:
         return False
 
 
+def _outer_spans_hosts(mesh: Mesh) -> bool:
+    """Whether a group along dp_outer (the other axes fixed) holds devices of more than one process (host)."""
+    index = tuple(slice(None) if name == OUTER_AXIS else 0 for name in mesh.axis_names)
+    return len({d.process_index for d in mesh.devices[index].flat}) > 1
+
+
 def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> dict:
     """The XLA options of a ZeRO step on `mesh` (module docstring); {} off a GPU or without overlap."""
     device = mesh.devices.flat[0]
@@ -149,6 +157,6 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
         options |= combine | (COMBINE["all_reduces"] if hsdp else {})
     elif config.path == ZeroPath.SPEC:  # DDP
         options |= COMBINE["hierarchical" if hsdp else "all_reduces"]
-    if hsdp and stage.shards_params and _takes(device, tuple(TWO_IN_FLIGHT.items())):
+    if hsdp and stage.shards_params and _outer_spans_hosts(mesh) and _takes(device, tuple(TWO_IN_FLIGHT.items())):
         options |= TWO_IN_FLIGHT
     return options

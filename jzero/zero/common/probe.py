@@ -202,7 +202,8 @@ def _scalars(state: PyTree, plan: ShardingPlan | None = None) -> list[jax.Array]
     looked up in `plan`: a scalar param's moments); a flat shard's state has none of those."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     kept = [x for path, x in leaves if jnp.ndim(x) == 0 and (plan is None or plan.param_of(tuple(path)) is None)]
-    return [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in kept]  # bits
+    is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
+    return [jax.random.key_data(x) if is_key(x) else x for x in kept]  # a key compared by its bits
 
 
 def _scalars_differ(a: list[jax.Array], b: list[jax.Array]) -> bool:

@@ -101,9 +101,9 @@ def test_hsdp_pipelines_no_all_reduce(strategy, path):
 @needs_gpu_plugin
 @pytest.mark.parametrize("path", ["spec", "flat"])
 def test_hsdp_zero3_keeps_two_collectives_in_flight(path, monkeypatch):
-    """Under HSDP, ZeRO-3 lets XLA keep two collectives in flight (the all-reduce across dp_outer beside
-    the gathers and reduce-scatters inside), where this XLA knows the option; ZeRO-2 and one host's
-    ZeRO-3 do not (the test above has their options whole)."""
+    """Under HSDP across hosts, ZeRO-3 lets XLA keep two collectives in flight (the all-reduce across dp_outer
+    beside the gathers and reduce-scatters inside), where this XLA knows the option; ZeRO-2, one host's ZeRO-3
+    (the test above has their options whole) and HSDP inside one host do not."""
     import jax
     import jax.numpy as jnp
 
@@ -117,6 +117,9 @@ def test_hsdp_zero3_keeps_two_collectives_in_flight(path, monkeypatch):
     jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharding)).compile(
         compiler_options=options
     )
+    one_host = gpu_mesh("h100", "1 x 1 x 8", (2, 4), ("dp_outer", "dp"))  # dp_outer inside a host: NVLink alone
+    one_host_options = step_compiler_options(one_host, ZeroConfig(strategy="optim_grads_params", path=path), 1)
+    assert not compiler.TWO_IN_FLIGHT.keys() & one_host_options.keys()
     monkeypatch.setattr(compiler, "TWO_IN_FLIGHT", {"xla_gpu_no_such_overlap_limit": 2})
     options = step_compiler_options(mesh, ZeroConfig(strategy="optim_grads_params", path=path), 1)
     assert "xla_gpu_no_such_overlap_limit" not in options
