@@ -57,9 +57,8 @@ beside the gathers and reduce-scatters inside: one at a time, the layer loop's q
 other (2026-11-28: spec 38 -> 18 ms exposed at one micro-batch, flat 36 -> 10, at 8 micro-batches
 286 -> 109 and 273 -> 66; `outer_strategy: optim` 42 -> 41). ZeRO-2 under HSDP (spec 8.6 -> 20.4 ms)
 and ZeRO-3 on one host (spec 10.0 -> 34.6, where both would share NVLink; flat 16.5 -> 11.7 at one
-micro-batch but 45.6 -> 112 at 8) measured worse with it.
-Pipelined all-reduces stay where they span the whole
-DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
+micro-batch but 45.6 -> 112 at 8) measured worse with it. Pipelined all-reduces stay where they span
+the whole DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
 exposed, 29.3 without, all of it) and the flat path's DDP under HSDP, Megatron's one all-reduce per
 bucket (244 ms with, 282 without).
 experiments/collectives/README.md, "HSDP", has the tables.

@@ -16,9 +16,9 @@ by comparing its update program on the two shapes (`_decides_by_size`). Its grad
 do across elements: the first two steps' are N(0, 1) (SM3's second step takes a row's and a column's
 statistics of the first), the third's are scaled by `LARGE_GRADS` (any clip threshold below is crossed;
 run first, its moments would dwarf every later step's difference), the fourth carries one NaN (a skip of
-non-finite updates acts on the whole tree). Besides the
-updates, the scalars of the state the steps leave must agree: a statistic over the whole tree kept in the
-state (D-Adaptation's learning-rate estimate, used from the third step on) differs on a slice. A chain
+non-finite updates acts on the whole tree). Besides the updates, the scalars of the state the steps leave
+must agree: a statistic over the whole tree kept in the state (D-Adaptation's learning-rate estimate, used
+from the third step on) differs on a slice. A chain
 holding `optax.MultiSteps` or `optax.apply_every` emits an update only every k-th step and zeros in between,
 so its probe runs `MULTI_STEPS_PROBE` steps (a scan), and one that emits none in them is refused.
 """
