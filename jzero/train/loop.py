@@ -152,7 +152,7 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
             ckpt.close(check=not failed)  # waits for the save in flight; reports its failure
     summary = report.summarize(run, state, metrics, compile_s)
     if main_process:
-        (out_dir / "summary.json").write_text(sinks.dumps(summary, indent=2))
+        sinks.write_summary(out_dir / "summary.json", summary)
     if preemption.stopped_at is not None:
         saved = f"checkpoint step {preemption.stopped_at} is in {ckpt.directory}" if ckpt else "no checkpoint.dir"
         raise Preempted(f"SIGTERM: stopped after step {preemption.stopped_at}; {saved}")

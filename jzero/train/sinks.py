@@ -225,8 +225,11 @@ class Sinks:
             raise
 
     def write(self, row: dict) -> None:
-        self._file.write(json_line(row))
-        self._file.flush()
+        try:
+            self._file.write(json_line(row))
+            self._file.flush()
+        except OSError as e:  # a write's error names no file: name metrics.jsonl (a full disk, ...)
+            raise OSError(e.errno, e.strerror, self._file.name) from None
         if self._others:
             scalars = _scalars(row)
             for sink in self._others:
@@ -235,8 +238,13 @@ class Sinks:
     def close(self, ok: bool = True) -> None:
         """Closes metrics.jsonl, then TensorBoard's file (quick), then W&B (whose upload may take longer). A sink
         that fails to close is named on stderr: the run's outcome is the steps', not the sink's."""
+        failure = None
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            try:
+                file.close()  # flushes what a failed write left in its buffer: it fails the same way
+            except OSError as e:
+                failure = OSError(e.errno, e.strerror, file.name)
         for sink in self._others:
             try:
                 sink.close(ok)
@@ -244,12 +252,22 @@ class Sinks:
                 name = type(sink).__name__.strip("_")
                 print(f"jzero: warning: closing {name} failed: {one_line(e)}", file=sys.stderr, flush=True)
         self._others = []
+        if failure is not None and ok:  # else the error that ended the run names it already
+            raise failure
 
     def __enter__(self) -> Sinks:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(ok=exc_type is None)
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    """summary.json, strict JSON (`dumps`); a failed write names the file (a full disk, ...)."""
+    try:
+        path.write_text(dumps(summary, indent=2))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def open_sinks(cfg: Config, out_dir: Path | None, start: int) -> Sinks:

@@ -78,6 +78,18 @@ def test_sinks_write_strict_rows_and_a_resume_rewrites_older_ones_strictly(tmp_p
     ]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="Linux's /dev/full: every write fails with ENOSPC")
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
+    """A write's OSError carries no file name: the CLI said "jzero: error: No space left on device"."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(OSError) as e, sinks.open_sinks(Config(), tmp_path, 0) as f:
+        f.write({"step": 1, "loss": 3.0, "grad_norm": 1.0})
+    assert e.value.strerror == "No space left on device" and e.value.filename == str(tmp_path / "metrics.jsonl")
+    with pytest.raises(OSError) as e:
+        sinks.write_summary(Path("/dev/full"), {"loss": 1.0})
+    assert e.value.filename == "/dev/full"
+
+
 def test_a_run_that_meets_a_nan_writes_strict_metrics(tmp_path):
     """A learning rate of 1e30 takes the loss or grad norm to NaN at step 2: the run stops (exit 2), and
     metrics.jsonl, its last row that step's, parses as strict JSON, the non-finite value null."""
