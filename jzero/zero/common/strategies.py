@@ -292,7 +292,7 @@ def _check_spec_fits(name: str, shape: tuple[int, ...], spec, mesh: Mesh) -> Non
             f"param {name}: its spec {spec} names {len(spec)} dims, but its shape {shape} has {len(shape)}"
         )
     for dim, entry in enumerate(spec):
-        devices = axes_size(mesh, entry_axes(entry))
+        devices = _tp_size(mesh, entry)
         if shape[dim] % devices:
             raise ConfigError(
                 f"param {name}: its spec {spec} splits dim {dim} of shape {shape} over {devices} devices, "
