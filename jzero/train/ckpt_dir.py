@@ -4,7 +4,9 @@
       jzero-checkpoints.json  the owner marker: format, when it was created, every run that wrote here
       jzero.lock              locked (flock) by the writing run's process 0 while it runs
       step_00000006/          one saved step (orbax: state/ and meta/ items); a step counts only if
-                              its meta item says it is jzero's, never because a folder name is a number
+                              its meta item says it is jzero's, never because a folder name is a number,
+                              and never through a symlink (jzero writes none; deleting it would reach
+                              the folder it points at)
       damaged/                steps found damaged, moved aside so the same step can be saved again
 
 jzero writes only into a directory that is new, empty, or marked as its own; a marked directory
@@ -37,8 +39,11 @@ _STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fix
 def is_step(path: Path) -> bool:
     """Whether the committed step folder `path` is jzero's: its meta item carries jzero's format,
     or it has jzero's two items (state/, meta/) and the meta is unreadable: a damaged step, which
-    restoring reports (never a step to skip silently)."""
+    restoring reports (never a step to skip silently). A symlink is never jzero's step: jzero writes
+    none, and `checkpoint.keep`'s clean-up would delete what it points at."""
     path = Path(path)
+    if path.is_symlink():
+        return False
     try:
         if not (path / "meta" / "metadata").is_file():  # a FIFO would block the read forever
             raise OSError("not a regular file")

@@ -207,6 +207,23 @@ def test_a_directory_jzero_did_not_create_is_never_written(folders, capsys, tmp_
     assert "not a jzero checkpoint directory" in one_line(capsys.readouterr().err)
 
 
+def test_a_symlinked_step_is_not_jzeros_and_keep_never_follows_it(base, tmp_path):
+    """A step folder that is a symlink (to another run's step) is neither resumed from nor cleaned up by
+    `checkpoint.keep`: deleting through it would reach a folder this run did not write."""
+    root, _ = base
+    ck, elsewhere = tmp_path / "ck", tmp_path / "another_runs_step"
+    shutil.copytree(root / "ck", ck)
+    shutil.move(step_dir(ck, 3), elsewhere)
+    step_dir(ck, 3).symlink_to(elsewhere)
+    before = sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*"))
+    assert ckpt_dir.steps(ck) == [STEPS]
+    args = sets(train__steps=STEPS + 2, checkpoint__dir=ck, checkpoint__every=2, checkpoint__keep=1)
+    assert main(["train", "--out", str(tmp_path / "o"), *TINY, *args, "--resume"]) == 0
+    assert ckpt_dir.steps(ck) == [STEPS + 2]
+    assert step_dir(ck, 3).is_symlink()
+    assert sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*")) == before
+
+
 @pytest.mark.slow
 def test_a_fresh_run_into_an_old_runs_directory_is_refused(base, capsys, tmp_path):
     root, _ = base
