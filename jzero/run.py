@@ -65,19 +65,22 @@ class Run:
 
         Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings,
         with `model_state` (the train state's; None: the model's initial state, if it keeps one).
-        stop: asked before each batch (on every process alike: it may be a collective), each batch then
-        run to its end before the next is asked for; where it says True, the evaluation ends there and
-        returns None (a SIGTERM's save must not wait for the rest of it).
+        stop: asked before each batch (on every process alike: it may be a collective), with at most one
+        batch in flight: batch i is dispatched, then batch i - 1 waited for before stop is asked again,
+        so the device keeps batch i while the host asks; where it says True, the evaluation ends there
+        and returns None, its save behind at most one batch (a SIGTERM's must not wait for the rest).
         """
         n = self.cfg.train.eval_batches
-        total = None
+        total = previous = None
         for i in range(n):
             if stop is not None and stop():
                 return None
             m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset), model_state)
             total = m if total is None else jax.tree.map(jnp.add, total, m)
             if stop is not None:
-                jax.block_until_ready(total)
+                if previous is not None:
+                    jax.block_until_ready(previous)  # the total through batch i - 1
+                previous = total
         return {k: float(v) / n for k, v in jax.device_get(total).items()}
 
     def evaluates_at(self, step: int) -> bool:
