@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 
+from helpers import init_state, tiny_config
 from jzero.train.loop import setup
-from tests.helpers import init_state, tiny_config
 
 
 def test_evaluate_asked_to_stop_between_batches_ends_there_and_otherwise_gives_the_same_loss():
