@@ -2,12 +2,13 @@
 
 Megatron's `DistributedOptimizer.step` in order: unscale fp16's grads and check them for inf/nan,
 take the global norm and clip by it, step the inner optimizer on the fp32 main params (or on the
-fp32 params themselves), cast the result back to the model's dtype (`model_copy`), and keep the old
-state where a guard skipped the step (`finish`: loss scaling's inf/nan, the nan check, the spike
-guard). The paths differ only in the layout of what they pass in (per parameter, or one array per
-flat bucket shard), in how they compute the norm and the inf/nan flag over the ranks (XLA over
-sharded arrays, or explicit psums over buffer shards), and in how the new params travel back (a
-sharding constraint, or an all_gather per bucket).
+fp32 params themselves), keep the old main params where a guard skips the step (`kept_main`: loss
+scaling's inf/nan, the nan check, the spike guard), cast them back to the model's dtype
+(`model_copy`), and keep the old params and inner state there too (`finish`). The paths differ only
+in the layout of what they pass in (per parameter, or one array per flat bucket shard), in how they
+compute the norm and the inf/nan flag over the ranks (XLA over sharded arrays, or explicit psums over
+buffer shards), and in how the new params travel back (a sharding constraint, or an all_gather per
+bucket).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def finish(
     skip_nonfinite: bool = False,
     spike_guard: SpikeGuard | None = None,
 ) -> tuple[PyTree, ZeroState, dict]:
-    """The step's (params, state, metrics): the new ones and {"grad_norm"}, or the old params, main
-    params and inner state (bitwise, by a select) where a guard skips the step, with {"skipped"}:
+    """The step's (params, state, metrics): the new ones and {"grad_norm"}, or the old params and inner
+    state (bitwise, by a select) where a guard skips the step, with {"skipped"}; `new_state`'s main
+    params are `kept_main`'s, the old ones there already:
       - loss scaling: an inf/nan in the grads (`update.skip`); the scaler is updated and
         {"loss_scale"} reported (`loss_scale.update`);
       - `skip_nonfinite` (without loss scaling, which skips such steps already): an inf or nan grad
@@ -96,19 +98,13 @@ def finish(
         its history is updated.
     Without a guard the step is the same program as before any existed."""
     metrics = {"grad_norm": update.norm}
-    skip = None
     if loss_scale is not None:
-        skip = update.skip
         metrics["loss_scale"] = state.grad_scaler.loss_scale
-    elif skip_nonfinite:
-        skip = jnp.logical_not(jnp.isfinite(update.norm))
-    if spike_guard is not None:
-        spiked = spike.is_spike(spike_guard, state.spike, update.norm)
-        skip = spiked if skip is None else jnp.logical_or(skip, spiked)
+    skip, spiked = _guards(loss_scale, update, state, skip_nonfinite, spike_guard)
     if skip is None:
         return new_params, new_state, metrics
-    old = ZeroState(state.main_params, state.inner_state)
-    params, new_state = scaler.skip_if(skip, (params, old), (new_params, new_state._replace(grad_scaler=None)))
+    params, inner_state = scaler.skip_if(skip, (params, state.inner_state), (new_params, new_state.inner_state))
+    new_state = new_state._replace(inner_state=inner_state)
     metrics["skipped"] = skip.astype(jnp.float32)
     if loss_scale is not None:
         new_state = new_state._replace(grad_scaler=scaler.update(loss_scale, state.grad_scaler, update.skip))
@@ -116,6 +112,37 @@ def finish(
         new_state = new_state._replace(spike=spike.update(spike_guard, state.spike, update.norm, spiked))
         metrics["spike_skipped"] = spiked.astype(jnp.float32)
     return params, new_state, metrics
+
+
+def kept_main(
+    loss_scale: DynamicLossScale | None,
+    update: Update,
+    state: ZeroState,
+    main: PyTree,
+    skip_nonfinite: bool = False,
+    spike_guard: SpikeGuard | None = None,
+) -> PyTree:
+    """The step's new main params: `update.main`, or the old `main` (bitwise, by a select) where a guard
+    (`finish`'s) skips the step. The state keeps them and the new params are made from them: where the
+    step is skipped `finish` selects the old params anyway, so those come out as from `update.main`, and
+    the update writes one fp32 copy of the main params where it wrote two (the selected one for the
+    state, the unselected one for the cast): LLaMA-3.2-1B's shape on the flat path, one H200, 5.0 GB a
+    step less under the nan check (experiments/bench/README.md, "Roofline")."""
+    skip, _ = _guards(loss_scale, update, state, skip_nonfinite, spike_guard)
+    return update.main if skip is None else scaler.skip_if(skip, main, update.main)
+
+
+def _guards(loss_scale, update: Update, state: ZeroState, skip_nonfinite: bool, spike_guard) -> tuple:
+    """(skip, spiked): whether a guard skips the step (`finish`'s list; None where none is on) and the spike
+    guard's verdict (None without it)."""
+    skip = update.skip if loss_scale is not None else None
+    if loss_scale is None and skip_nonfinite:
+        skip = jnp.logical_not(jnp.isfinite(update.norm))
+    spiked = None
+    if spike_guard is not None:
+        spiked = spike.is_spike(spike_guard, state.spike, update.norm)
+        skip = spiked if skip is None else jnp.logical_or(skip, spiked)
+    return skip, spiked
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:

@@ -55,7 +55,7 @@ from jzero.zero.common.batch import split_batch
 from jzero.zero.common.groups import GroupValues, group_leaves
 from jzero.zero.common.probe import check_elementwise
 from jzero.zero.common.state import TrainState, ZeroState, loss_parts, model_state_shardings
-from jzero.zero.common.update import finish, model_copy, optimizer_step
+from jzero.zero.common.update import finish, kept_main, model_copy, optimizer_step
 from jzero.zero.config import ParamGatherDType, StepOptions
 from jzero.zero.engine import Layout, LayoutInputs
 from jzero.zero.flat import collectives, grads, state
@@ -202,15 +202,17 @@ class FlatProgram:
         mesh_axes = tuple(fp.plan.mesh.axis_names)
         state_ = opt_state._replace(inner_state=_squeeze(fp, opt_state.inner_state))
         g32 = [to_local(buf, g).astype(jnp.float32) for (buf, _), g in zip(fp.buckets, grads)]
+        main = self.main_shards(params, opt_state, ranks)
         step = optimizer_step(
-            self.inner, g32, self.main_shards(params, opt_state, ranks), state_,
+            self.inner, g32, main, state_,
             global_norm=lambda g: collectives.global_norm(fp, g, ranks),
             nonfinite=lambda g: collectives.any_nonfinite(g, mesh_axes),
             clip_grad=o.clip_grad, loss_scale=o.loss_scale, groups=self.group_values(ranks),
         )  # fmt: skip
-        new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, step.main)] if self.keep_main else None
+        main = kept_main(o.loss_scale, step, opt_state, main, o.skip_nonfinite, o.spike_guard)
+        new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, main)] if self.keep_main else None
         new_state = ZeroState(new_main, _unsqueeze(fp, step.inner_state))
-        new_params = self.new_params(params, step.main)
+        new_params = self.new_params(params, main)
         return finish(o.loss_scale, step, params, opt_state, new_params, new_state, o.skip_nonfinite, o.spike_guard)
 
     def init(self, params: PyTree) -> ZeroState:

@@ -56,7 +56,7 @@ from jzero.zero.common.probe import check_per_tensor, check_runs_owning_nothing,
 from jzero.zero.common.schedule import Phase, run_schedule
 from jzero.zero.common.state import TrainState, ZeroState, keeps_main_params, loss_parts, model_state_shardings
 from jzero.zero.common.strategies import restrict
-from jzero.zero.common.update import Update, clip_coefficient, finish, inner_update
+from jzero.zero.common.update import Update, clip_coefficient, finish, inner_update, kept_main
 from jzero.zero.config import ShardingStrategy, Stage
 from jzero.zero.engine import Layout, LayoutInputs
 from jzero.zero.owned.plan import OwnedPlan, make_owned_plan
@@ -329,15 +329,17 @@ def owned_layout(inputs: LayoutInputs) -> Layout:
             segs = [s * coeff for s in segs]
         branches = [functools.partial(branch_step, b) for b in range(n)]
         new_main, new_rows = jax.lax.switch(branch_index(), branches, leaves, segs, mains, state_rows)
+        old = ZeroState(opt_state.main_params, opt_state.inner_state, opt_state.grad_scaler, opt_state.spike)
+        update = Update(new_main, None, norm, skip)
+        if keep_main:
+            new_main = kept_main(loss_scale, update, old, tuple(mains), options.skip_nonfinite, options.spike_guard)
         gathered = [
             jax.lax.all_gather(m.astype(gather_dtype), dom.axes, tiled=False) for m, dom in zip(new_main, owned.domains)
         ]
         new_leaves = [x.astype(t.dtype) for x, t in zip(_unpack(owned, gathered, n_leaves), tensors)]
-        old = ZeroState(opt_state.main_params, opt_state.inner_state, opt_state.grad_scaler, opt_state.spike)
         new_state = ZeroState(
             tuple(m[None] for m in new_main) if keep_main else None, {k: v[None] for k, v in new_rows.items()}
         )
-        update = Update(None, None, norm, skip)
         new_params, new_state, metrics = finish(
             loss_scale, update, tuple(leaves), old, tuple(new_leaves), new_state, options.skip_nonfinite,
             options.spike_guard,

@@ -32,7 +32,7 @@ from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common import spike
 from jzero.zero.common.state import ZeroState, keeps_main_params
 from jzero.zero.common.strategies import ShardingPlan, TensorPlan, choose_shard_dim
-from jzero.zero.common.update import finish, model_copy, optimizer_step
+from jzero.zero.common.update import finish, kept_main, model_copy, optimizer_step
 from jzero.zero.config import DynamicLossScale, SpikeGuard
 
 PyTree = Any
@@ -166,7 +166,7 @@ def zero_optimizer(
             inner, grads, main, state, global_norm=optax.tree.norm, nonfinite=scaler.found_inf,
             clip_grad=clip_grad, loss_scale=loss_scale, groups=values,
         )  # fmt: skip
-        main = _constrain(update.main, state_sh)
+        main = _constrain(kept_main(loss_scale, update, state, main, skip_nonfinite, spike_guard), state_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))

@@ -12,7 +12,7 @@ from jzero.zero.common import groups as groups_lib
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common.groups import GroupValues
 from jzero.zero.common.state import ZeroState
-from jzero.zero.common.update import clip_coefficient, finish, model_copy, optimizer_step
+from jzero.zero.common.update import clip_coefficient, finish, kept_main, model_copy, optimizer_step
 from jzero.zero.config import DynamicLossScale
 
 INNER = optax.adam(1e-2)
@@ -104,3 +104,17 @@ def test_skip_nonfinite_keeps_the_old_params_and_state_bitwise(bad):
         jax.tree.map(np.testing.assert_array_equal, (params, got_state), (want_params, want_state))
     unguarded = finish(None, update, main, state, update.main, new_state)
     assert "skipped" not in unguarded[2]  # off: no select, the step as before
+
+
+@pytest.mark.parametrize("bad", [None, jnp.nan])
+def test_kept_main_is_the_update_or_where_a_guard_skips_the_old_main_bitwise(bad):
+    """The main params the state keeps and the params are made from: the update's, or the old ones on a skip;
+    without a guard, the update's as they are (no select in the program)."""
+    main, g = pytree.init_params(), grads()
+    if bad is not None:
+        g = g | {"s": g["s"].at[0, 1, 2].set(bad)}
+    state = ZeroState(None, INNER.init(main))
+    update = step(g, main, state)
+    got = kept_main(None, update, state, main, skip_nonfinite=True)
+    jax.tree.map(np.testing.assert_array_equal, got, main if bad is not None else update.main)
+    assert kept_main(None, update, state, main) is update.main
