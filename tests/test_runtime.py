@@ -142,3 +142,14 @@ def test_only_the_cuda_stubs_lines_are_held_back():
     stub += "will not be used.\n"
     lines = [notice, stub, "kept\n", notice, "W0000 something else\n", stub]
     assert imports._without_stub(lines) == ["kept\n", notice, "W0000 something else\n"]
+
+
+def test_megatron_names_prints_its_names_alone():
+    """`jzero ckpt megatron-names` imported JAX outside `quiet_cuda_stub`: 6 lines of the CUDA plugin's before its
+    JSON on a machine without an NVIDIA device (and, held back but with JAX_PLATFORMS unset, the plugin's
+    failure to start a GPU backend)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-m", "jzero.cli", "ckpt", "megatron-names"], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert json.loads(proc.stdout)["embedding.word_embeddings.weight"] == "tok_emb"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
+from jzero.imports import default_platforms, quiet_cuda_stub
 from jzero.interop.megatron_format import TRACKER
 
 
@@ -334,7 +335,9 @@ def _export_parallel(args) -> tuple[int, int, int]:
 def _cmd_names(args) -> int:
     cfg = load_config(args.config, args.set)
     _check_megatron_gpt(cfg)
-    from jzero.interop import gpt
+    default_platforms()  # names only: no GPU backend to start
+    with quiet_cuda_stub():
+        from jzero.interop import gpt
 
     print(json.dumps(gpt.megatron_names(cfg.model), indent=1))
     return 0

@@ -128,14 +128,19 @@ def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
     (nested ShapeDtypeStructs), every one of them there; the step count may differ."""
     want = {n: (list(x.shape), str(x.dtype)) for n, x in names(target).items()}
     have = {n: (a["shape"], a["dtype"]) for n, a in meta["arrays"].items()}
-    bad = sorted(
-        f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model {want[n][0] if n in want else 'absent'}"
-        for n in set(want) | set(have)
-        if n != "step" and (n not in want or n not in have or want[n][0] != have[n][0])
+    misfit = sorted(
+        n for n in set(want) | set(have) if n != "step" and (n not in want or n not in have or want[n][0] != have[n][0])
     )
-    if bad:
+    if misfit:
+        bad = [f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model "
+               f"{want[n][0] if n in want else 'absent'}" for n in misfit]  # fmt: skip
+        hint = ""
+        if all("main_params/" in n and (n in want) != (n in have) for n in misfit):  # main params on one side only
+            hint = (" (fp32 main params are kept only for params below float32: set precision.param_dtype as the run "
+                    "that saved it did)")  # fmt: skip
         raise CheckpointError(
-            f"checkpoint step {step} in {directory} does not fit the model ({len(bad)} arrays): " + "; ".join(bad[:20])
+            f"checkpoint step {step} in {directory} does not fit the model ({len(bad)} arrays): "
+            + "; ".join(bad[:20]) + hint
         )
     dtypes = sorted(n for n in set(want) & set(have) if want[n][1] != have[n][1])
     if dtypes:

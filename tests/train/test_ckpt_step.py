@@ -56,6 +56,10 @@ def test_a_step_fits_a_model_of_its_shapes_and_dtypes_whatever_its_step():
     moments = {**state(), "opt_state": half["opt_state"]}  # optimizer.moments_dtype=bfloat16 alone
     with pytest.raises(CheckpointError, match=r"\(set optimizer.moments_dtype as the run that saved it did\)$"):
         check_fits(6, "ck", meta_of(moments), target)
+    kept = {**state(), "main_params": state()["params"]}  # a bf16 run's checkpoint, its fp32 main params beside
+    with pytest.raises(CheckpointError, match=r"main_params/blocks/1/w: checkpoint \[4, 2\] vs model absent.* \(fp32 "
+                       r"main params are kept only for params below float32: set precision.param_dtype as the run"):
+        check_fits(6, "ck", meta_of(kept), target)
 
 
 def test_a_fifo_as_the_metadata_is_a_damaged_step_not_a_hang(tmp_path):
