@@ -24,6 +24,7 @@ AXES = ("dp_outer", "dp", "ep", "tp")
 DENSE_DP_AXES = ("dp_outer", "dp", "ep")
 EXPERT_DP_AXES = ("dp_outer", "dp")
 BATCH_AXES = DENSE_DP_AXES
+DP_AXIS = "dp"
 TP_AXIS = "tp"
 EP_AXIS = "ep"
 OUTER_AXIS = "dp_outer"

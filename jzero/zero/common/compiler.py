@@ -57,7 +57,14 @@ beside the gathers and reduce-scatters inside: one at a time, the layer loop's q
 other (2026-11-28: spec 38 -> 18 ms exposed at one micro-batch, flat 36 -> 10, at 8 micro-batches
 286 -> 109 and 273 -> 66; `outer_strategy: optim` 42 -> 41). ZeRO-2 under HSDP (spec 8.6 -> 20.4 ms)
 and ZeRO-3 on one host (spec 10.0 -> 34.6, where both would share NVLink; flat 16.5 -> 11.7 at one
-micro-batch but 45.6 -> 112 at 8) measured worse with it. Pipelined all-reduces stay where they span
+micro-batch but 45.6 -> 112 at 8) measured worse with it. Without HSDP, ZeRO-1/2/3 keep two in flight
+where the DP collectives cross hosts while tp's or ep's stay inside one, the network's link and NVLink
+busy at once (2026-11-28, `jzero hlo`'s exposed comm per step on 64 H100s, 8 hosts: LLaMA-2-70B, dp 8
+between hosts x tp 8 inside, spec ZeRO-1/2 880 -> 749 ms and ZeRO-3 1170 -> 1010 at one micro-batch,
+ZeRO-2 4830 -> 3800 and ZeRO-3 9430 -> 8680 at 8, ZeRO-1 951 -> 954 there; flat ZeRO-1/2 881 -> 678;
+Mixtral-8x7B, dp 8 x ep 8 inside, spec ZeRO-1/2 653 -> 364 and ZeRO-3 896 -> 633, at 8 micro-batches
+658 -> 368, 3440 -> 1780 and 7190 -> 5970, flat ZeRO-1/2 649 -> 362; temp peaks +0.4 to +1.9 GiB;
+DDP's all-reduces unchanged, so left as they were). Pipelined all-reduces stay where they span
 the whole DP domain: DDP on one host (the 8-layer 7B on 8 H100s, a layer's all-reduces combined: 11.5 ms
 exposed, 29.3 without, all of it) and the flat path's DDP under HSDP, Megatron's one all-reduce per
 bucket (244 ms with, 282 without).
@@ -81,7 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jzero.mesh import OUTER_AXIS
+from jzero.mesh import DP_AXIS, EP_AXIS, OUTER_AXIS, TP_AXIS
 from jzero.zero.config import ZeroConfig, ZeroPath
 
 _PIPELINED = ("all_gather", "reduce_scatter", "all_reduce")
@@ -97,8 +104,7 @@ COMBINE = {
     "reductions": {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30},  # ZeRO-1/2
     "all_reduces": {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30},  # DDP; HSDP: those across dp_outer
 }
-# HSDP's ZeRO-3: two collectives in flight at once, the all-reduce across dp_outer beside the gathers and
-# reduce-scatters inside (module docstring).
+# Two collectives in flight at once where the step keeps two links busy (`_two_links`; module docstring).
 TWO_IN_FLIGHT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 COMBINE["hierarchical"] = {  # DDP under HSDP: its reduce-scatter, all-reduce and all-gather per grad
     **COMBINE["reductions"], **COMBINE["all_reduces"], "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30
@@ -135,10 +141,21 @@ def _takes(device: jax.Device, options: tuple) -> bool:
         return False
 
 
-def _outer_spans_hosts(mesh: Mesh) -> bool:
-    """Whether a group along dp_outer (the other axes fixed) holds devices of more than one process (host)."""
-    index = tuple(slice(None) if name == OUTER_AXIS else 0 for name in mesh.axis_names)
+def _spans_hosts(mesh: Mesh, axis: str) -> bool:
+    """Whether a group along `axis` (the other axes fixed) holds devices of more than one process (host)."""
+    index = tuple(slice(None) if name == axis else 0 for name in mesh.axis_names)
     return len({d.process_index for d in mesh.devices[index].flat}) > 1
+
+
+def _two_links(mesh: Mesh, stage) -> bool:
+    """Whether the step's collectives keep two links busy, so that XLA may keep two in flight (`TWO_IN_FLIGHT`,
+    module docstring): under HSDP ZeRO-3's all-reduce across dp_outer between hosts beside its gathers and
+    reduce-scatters inside; without it, ZeRO-1/2/3's DP collectives between hosts beside the tp or ep
+    collectives inside one."""
+    if mesh.shape.get(OUTER_AXIS, 1) > 1:
+        return stage.shards_params and _spans_hosts(mesh, OUTER_AXIS)
+    inside = any(mesh.shape.get(a, 1) > 1 and not _spans_hosts(mesh, a) for a in (TP_AXIS, EP_AXIS))
+    return stage.shards_state and inside and _spans_hosts(mesh, DP_AXIS)
 
 
 def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> dict:
@@ -156,6 +173,6 @@ def step_compiler_options(mesh: Mesh, config: ZeroConfig, microbatches: int) -> 
         options |= combine | (COMBINE["all_reduces"] if hsdp else {})
     elif config.path == ZeroPath.SPEC:  # DDP
         options |= COMBINE["hierarchical" if hsdp else "all_reduces"]
-    if hsdp and stage.shards_params and _outer_spans_hosts(mesh) and _takes(device, tuple(TWO_IN_FLIGHT.items())):
+    if _two_links(mesh, stage) and _takes(device, tuple(TWO_IN_FLIGHT.items())):
         options |= TWO_IN_FLIGHT
     return options

@@ -123,3 +123,22 @@ def test_hsdp_zero3_keeps_two_collectives_in_flight(path, monkeypatch):
     monkeypatch.setattr(compiler, "TWO_IN_FLIGHT", {"xla_gpu_no_such_overlap_limit": 2})
     options = step_compiler_options(mesh, ZeroConfig(strategy="optim_grads_params", path=path), 1)
     assert "xla_gpu_no_such_overlap_limit" not in options
+
+
+@needs_gpu_plugin
+def test_dp_between_hosts_beside_tp_or_ep_inside_keeps_two_collectives_in_flight():
+    """Without HSDP, ZeRO-1/2/3 let XLA keep two collectives in flight where the DP collectives cross hosts and tp's
+    or ep's stay inside one (two links); not DDP, not DP alone across hosts (one link), not tp across hosts."""
+    from jzero.zero.common import compiler
+
+    def two(topology, shape, axes, strategy="optim_grads"):
+        mesh = gpu_mesh("h100", topology, shape, axes)
+        return compiler.TWO_IN_FLIGHT.items() <= step_compiler_options(mesh, ZeroConfig(strategy=strategy), 1).items()
+
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        assert two("8 x 1 x 8", (8, 8), ("dp", "tp"), strategy)  # LLaMA-2-70B's 64 H100s
+    assert two("8 x 1 x 8", (8, 8), ("dp", "ep"))  # Mixtral-8x7B's
+    assert not two("8 x 1 x 8", (8, 8), ("dp", "tp"), "no_shard")
+    assert not two("2 x 1 x 8", (16,), ("dp",))  # every DP collective on the network
+    assert not two("1 x 1 x 8", (2, 4), ("dp", "tp"))  # one host: both on NVLink
+    assert not two("4 x 1 x 2", (2, 4), ("dp", "tp"))  # tp across hosts too
