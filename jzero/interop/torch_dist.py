@@ -86,6 +86,8 @@ class TorchDist:
                     "legacy format (--ckpt-format torch)"
                 )
         path = directory / METADATA_FILE
+        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+            raise InteropError(f"{path} is not a regular file")
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -132,6 +134,8 @@ class TorchDist:
         path = self.directory / info.relative_path
         if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
             raise InteropError(f"{self.directory}/{METADATA_FILE} points outside the checkpoint: {info.relative_path}")
+        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+            raise InteropError(f"{path} is not a regular file")
         try:
             with open(path, "rb") as f:
                 f.seek(int(info.offset))

@@ -94,7 +94,9 @@ class Checkpointer:
         writer: bool = True,
         resume: bool = False,
     ):
-        self.run = run
+        if writer and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise CheckpointError(f"keep={keep!r}: a writer keeps at least its newest step (an integer >= 1)")
+        self.run, self.writer = run, writer
         self._claim = None
         quiet_abandoned_io()
         if writer:

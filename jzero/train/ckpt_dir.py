@@ -37,20 +37,28 @@ _STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fix
 
 
 def is_step(path: Path) -> bool:
-    """Whether the committed step folder `path` is jzero's: its meta item carries jzero's format,
-    or it has jzero's two items (state/, meta/) and the meta is unreadable: a damaged step, which
-    restoring reports (never a step to skip silently). A symlink is never jzero's step: jzero writes
-    none, and `checkpoint.keep`'s clean-up would delete what it points at."""
+    """Whether the committed step folder `path` is jzero's: its meta item carries jzero's format, or it
+    has jzero's two items (state/, and a meta/ that is unreadable, not a folder, or not jzero's): a
+    damaged step, which restoring reports (never a step to skip silently). A symlink is never jzero's
+    step: jzero writes none, and `checkpoint.keep`'s clean-up would delete what it points at. Nor is
+    a folder holding a FIFO, socket or device beside its items: orbax reads a step's files as it lists
+    it (`_CHECKPOINT_METADATA`), and a FIFO would block that read forever."""
     path = Path(path)
     if path.is_symlink():
         return False
+    try:
+        if any(not (e.is_dir() or e.is_file()) for e in os.scandir(path)):
+            return False
+    except OSError:
+        return False
+    damaged = (path / "meta").exists() and (path / "state").is_dir()
     try:
         if not (path / "meta" / "metadata").is_file():  # a FIFO would block the read forever
             raise OSError("not a regular file")
         meta = json.loads((path / "meta" / "metadata").read_text())
     except (OSError, ValueError):
-        return (path / "meta").is_dir() and (path / "state").is_dir()
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+        return damaged
+    return (isinstance(meta, dict) and meta.get("format") == FORMAT) or damaged
 
 
 class StepNames(ocp.step.NameFormat):
@@ -111,6 +119,7 @@ def steps(directory: Path) -> list[int]:
 def open_for_reading(directory: str | Path) -> Path:
     """`directory` resolved, if it is a jzero checkpoint directory (has the owner marker)."""
     directory = Path(directory)
+    _no_backslash(directory.absolute(), "checkpoint directory")
     if not directory.is_dir():
         what = "is a file, not a directory" if directory.exists() else "does not exist"
         raise CheckpointError(f"checkpoint directory {directory} {what}")
@@ -138,11 +147,24 @@ class Claim:
 
 
 def resolved(directory: str | Path, what: str = "checkpoint.dir") -> Path:
-    """`directory` made absolute, symlinks followed; a loop of them is one CheckpointError naming `what`."""
+    """`directory` made absolute, symlinks followed; a loop of them, or a backslash in it, is one
+    CheckpointError naming `what`."""
     try:
-        return Path(directory).resolve()
+        path = Path(directory).resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise CheckpointError(f"{what} {directory} cannot be resolved: {e}") from None
+    _no_backslash(path, what)
+    return path
+
+
+def _no_backslash(path: Path, what: str) -> None:
+    """TensorStore, which writes orbax's arrays, reads a backslash as a path separator: the arrays of a
+    checkpoint under `a\\b` would land in `a/b`, outside it."""
+    if "\\" in str(path):
+        raise CheckpointError(
+            f"{what} {path} has a backslash in it, which TensorStore (orbax's array store) reads as a path "
+            "separator: use a path without one"
+        )
 
 
 def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
@@ -161,8 +183,8 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
     except OSError as e:
         raise CheckpointError(f"checkpoint.dir {directory} cannot be created: {e.strerror or e}") from None
     marker = read_marker(directory)
-    if marker is None:
-        entries = sorted(p.name for p in directory.iterdir())
+    if marker is None:  # a first claim that failed (a full disk), or one racing this, leaves these two
+        entries = sorted(p.name for p in directory.iterdir() if p.name not in (LOCK, MARKER + ".tmp"))
         if entries:
             raise CheckpointError(
                 f"checkpoint.dir {directory} is not empty ({len(entries)} entries: {', '.join(entries[:3])}"
@@ -171,6 +193,7 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
             )
     lock_file = _lock(directory)
     try:
+        marker = read_marker(directory)  # again, held: a run that held the lock meanwhile may have written it
         saved = steps(directory) if marker is not None else []
         if saved and not resume:
             last = (marker["runs"] or [{"started": "?", "host": "?"}])[-1]
@@ -187,6 +210,8 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
         )
         _write_atomic(directory / MARKER, json.dumps(marker, indent=1))
     except BaseException:
+        if not (directory / MARKER).exists():  # a first claim that failed (a full disk): no lock left behind
+            (directory / LOCK).unlink(missing_ok=True)
         lock_file.close()
         raise
     return Claim(lock_file, run_id)
@@ -202,8 +227,12 @@ def move_aside(directory: Path, step: int) -> Path:
 
 def _lock(directory: Path):
     path = directory / LOCK
+    if path.is_symlink() or (path.exists() and not path.is_file()):  # jzero writes a plain file there, never
+        raise CheckpointError(  # through a link (it would overwrite the file linked to), nor opens a FIFO
+            f"checkpoint.dir {directory}: {LOCK} is not a regular file (jzero writes one there): remove it"
+        )
     try:
-        f = open(path, "a+")
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a+")
     except OSError as e:
         raise CheckpointError(f"checkpoint.dir {directory} is not writable: {e.strerror or e}") from None
     try:
@@ -229,6 +258,7 @@ def _write_atomic(path: Path, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)  # a full disk: the next try finds the directory as it was
         raise CheckpointError(f"checkpoint.dir {path.parent} is not writable: {e.strerror or e}") from None
 
 

@@ -18,6 +18,7 @@ is a `DamagedStep`.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -111,16 +112,44 @@ def reader(directory: str | Path) -> ocp.CheckpointManager:
 
 
 def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager | None = None) -> dict:
-    file = Path(directory) / ckpt_dir.StepNames().build_name(step) / "meta" / "metadata"
-    if file.exists() and not file.is_file():  # a FIFO would block the read forever
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory}: metadata unreadable ({file} is not a regular file)"
-        )
+    """The meta item of `step` in `directory`, checked to be jzero's (`_check_meta`); CheckpointError naming
+    what is wrong where it is unreadable, not jzero's, or the step holds anything but files and folders
+    (a FIFO would block orbax's read of it forever)."""
+    folder = Path(directory) / ckpt_dir.StepNames().build_name(step)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                raise CheckpointError(
+                    f"checkpoint step {step} in {directory}: metadata unreadable ({path} is not a regular file)"
+                )
     manager = manager or reader(directory)
     try:
-        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     except Exception as e:
         raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({one_line(e)})") from None
+    if (problem := _check_meta(meta)) is not None:
+        raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable ({problem})")
+    return meta
+
+
+def _check_meta(meta) -> str | None:
+    """What in a step's meta item is not as jzero writes it (`Checkpointer.save`), or None."""
+    if not isinstance(meta, dict) or meta.get("format") != ckpt_dir.FORMAT:
+        return "not jzero's checkpoint format"
+    for key in ("config", "data", "arrays"):
+        if not isinstance(meta.get(key), dict):
+            return f"its {key!r} is not a mapping"
+    for name, a in meta["arrays"].items():
+        ok = isinstance(a, dict) and isinstance(a.get("shape"), list) and isinstance(a.get("fingerprint"), int)
+        ok = ok and all(isinstance(d, int) and d >= 0 for d in a["shape"]) and isinstance(a.get("dtype"), str)
+        try:
+            ok = ok and bool(jnp.dtype(a["dtype"]))
+        except TypeError:
+            ok = False
+        if not ok:
+            return f"array {name!r} has no shape, dtype and fingerprint as jzero writes them"
+    return None
 
 
 def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:

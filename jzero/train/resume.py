@@ -55,9 +55,10 @@ def restore_latest(
 ) -> tuple[TrainState, int]:
     """The newest complete checkpoint of `checkpointer`'s directory, as (state, step).
 
-    A damaged newest step is an error naming it; with `fallback`, it is moved aside to
-    `damaged/` (so this run can save that step again), `say` reports it in one line, and
-    the next older step is tried.
+    A damaged newest step is an error naming it; with `fallback`, `say` reports it in one line
+    and the next older step is tried, the damaged one moved aside to `damaged/` (so this run can
+    save that step again) where the directory is this run's own; one it only reads (`--resume DIR`
+    beside another checkpoint.dir: another run's, maybe live, or read-only) is left as it is.
     """
     directory = checkpointer.directory
     steps = checkpointer.steps()
@@ -71,10 +72,15 @@ def restore_latest(
                 raise CheckpointError(
                     f"{e}; --resume-fallback resumes from the newest undamaged step and moves this one aside"
                 ) from None
+            if not checkpointer.writer:
+                if jax.process_index() == 0:
+                    say(f"jzero: {e}; skipped it (left in place: this run reads {directory}, it does not write there)")
+                continue
             move = functools.partial(ckpt_dir.move_aside, directory, step)
             moved = multihost.on_process_0(move, CheckpointError)
             multihost.barrier(f"jzero-moved-{step}")
             checkpointer.manager.reload()
             if jax.process_index() == 0:
                 say(f"jzero: {e}; moved it to {moved}")
-    raise CheckpointError(f"no undamaged checkpoint left in {directory} (damaged ones: {ckpt_dir.DAMAGED}/)")
+    where = f"damaged ones: {ckpt_dir.DAMAGED}/" if checkpointer.writer else "every step damaged"
+    raise CheckpointError(f"no undamaged checkpoint left in {directory} ({where})")

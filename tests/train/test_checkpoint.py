@@ -304,6 +304,57 @@ def test_a_fifo_as_the_marker_is_refused_not_read(capsys, tmp_path):
         assert f"{ck}: {ckpt_dir.MARKER} is not a regular file" in one_line(capsys.readouterr().err)
 
 
+def test_a_backslash_in_checkpoint_dir_is_refused_before_tensorstore_writes_outside_it(capsys, tmp_path):
+    """TensorStore reads a backslash as a separator: the arrays of `a\\b` went to `a/b` and the run exited 0."""
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=tmp_path / "a\\b")]
+    assert main(argv) == 2
+    assert "has a backslash in it" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a\\b").exists()
+
+
+def test_a_lock_that_is_a_symlink_is_refused_not_written_through(capsys, tmp_path):
+    ck, victim = tmp_path / "ck", tmp_path / "notes.txt"
+    ck.mkdir()
+    victim.write_text("mine")
+    (ck / ckpt_dir.LOCK).symlink_to(victim)
+    with pytest.raises(CheckpointError, match=f"{ckpt_dir.LOCK} is not a regular file"):
+        ckpt_dir.claim(ck, "sha", resume=False)
+    assert victim.read_text() == "mine"
+
+
+def test_a_first_claim_that_failed_leaves_nothing_that_refuses_the_next(tmp_path, monkeypatch):
+    """A full disk while the marker was written left `jzero.lock` and an empty marker `.tmp`, and every later
+    run into the directory was refused ("not empty ... jzero did not create it")."""
+    ck = tmp_path / "ck"
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        real(self, "")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ckpt_dir.claim(ck, "sha", resume=False)
+    monkeypatch.undo()
+    assert list(ck.iterdir()) == []
+    (ck / ckpt_dir.LOCK).write_text("")  # another run's claim in flight: its lock and marker tmp
+    (ck / (ckpt_dir.MARKER + ".tmp")).write_text("")
+    ckpt_dir.claim(ck, "sha", resume=False).release()
+    assert ckpt_dir.read_marker(ck) is not None
+
+
+def test_a_writer_keeps_at_least_one_step(tmp_path):
+    from helpers import tiny_config
+    from jzero.train.checkpoint import Checkpointer
+    from jzero.train.loop import setup
+
+    run = setup(tiny_config())
+    for keep in (0, -1, 1.5):
+        with pytest.raises(CheckpointError, match=r"^keep=.*: a writer keeps at least its newest step"):
+            Checkpointer(tmp_path / "ck", run, keep=keep)
+    assert not (tmp_path / "ck").exists()
+
+
 def test_verify_without_a_complete_step_is_refused_as_info_is(capsys, tmp_path):
     ck = tmp_path / "ck"
     ckpt_dir.claim(ck, "sha", resume=False).release()  # the marker only
@@ -368,6 +419,70 @@ def test_unreadable_metadata_is_a_damaged_step_not_a_missing_one(base, capsys, t
     assert main(argv) == 2
     assert "no complete checkpoint" in one_line(capsys.readouterr().err)
     assert len(list((ck / "damaged").iterdir())) == 2 and not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage", ["no_arrays", "not_jzeros", "meta_is_a_file", "bad_dtype", "fifo_in_state"])
+def test_meta_not_as_jzero_writes_it_or_a_fifo_in_a_step_is_a_damaged_step(damage, base, capsys, tmp_path):
+    """Meta that parses but is not jzero's (or whose arrays are not as jzero writes them), a meta item that is a
+    file, and a FIFO among the state's files: a damaged step, named in one line, never a traceback, a hang or a
+    step hidden (before: KeyError tracebacks, a silent resume from step 3, a read blocked forever)."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    meta = step_dir(ck, STEPS) / "meta" / "metadata"
+    if damage == "no_arrays":
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "arrays"}))
+    elif damage == "not_jzeros":
+        meta.write_text("[1, 2]")
+    elif damage == "meta_is_a_file":
+        shutil.rmtree(meta.parent)
+        meta.parent.write_text("x")
+    elif damage == "bad_dtype":
+        m = json.loads(meta.read_text())
+        m["arrays"]["params/tok_emb"]["dtype"] = "float33"
+        meta.write_text(json.dumps(m))
+    else:
+        files = (p for p in (step_dir(ck, STEPS) / "state").rglob("*") if p.is_file())
+        data = max(files, key=lambda p: p.stat().st_size)
+        data.unlink()
+        os.mkfifo(data)
+    assert ckpt_dir.steps(ck) == [3, STEPS]
+    assert bounded(main, ["ckpt", "info", "--verify", str(ck)]) == 2
+    assert f"step {STEPS}: DAMAGED" in capsys.readouterr().out
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume"]
+    assert bounded(main, argv) == 2
+    assert f"checkpoint step {STEPS} in {ck}: metadata unreadable (" in one_line(capsys.readouterr().err)
+
+
+def test_a_fifo_beside_a_steps_items_hides_the_step_rather_than_block_its_listing(base, tmp_path):
+    """orbax reads each listed step's `_CHECKPOINT_METADATA` as it opens the directory: a FIFO there blocked
+    `ckpt info` forever. jzero writes no FIFO, so that folder is not its step (nor deleted, nor saved over)."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    (step_dir(ck, STEPS) / "_CHECKPOINT_METADATA").unlink()
+    os.mkfifo(step_dir(ck, STEPS) / "_CHECKPOINT_METADATA")
+    assert ckpt_dir.steps(ck) == [3]
+    assert bounded(main, ["ckpt", "info", "--verify", str(ck)]) == 0
+
+
+def test_a_directory_that_resume_only_reads_is_left_as_it_is_by_the_fallback(base, capsys, tmp_path):
+    """`--resume A --resume-fallback` beside checkpoint.dir=B skips A's damaged newest step without moving it
+    into A/damaged/ (A may be another run's, live, or read-only); B gets this run's steps."""
+    root, _ = base
+    a = tmp_path / "A"
+    shutil.copytree(root / "ck", a)
+    meta = step_dir(a, STEPS) / "meta" / "metadata"
+    meta.write_text(meta.read_text()[:20])
+    before = sorted(str(p.relative_to(a)) for p in a.rglob("*"))
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=4, checkpoint__dir=tmp_path / "B"),
+            "--resume", str(a), "--resume-fallback"]  # fmt: skip
+    assert main(argv) == 0
+    said = capsys.readouterr()
+    assert f"skipped it (left in place: this run reads {a}" in said.err
+    assert f"resuming from checkpoint step 3 in {a}" in said.out
+    assert sorted(str(p.relative_to(a)) for p in a.rglob("*")) == before
+    assert saved_steps(tmp_path / "B") == [4]
 
 
 @pytest.mark.slow
