@@ -19,7 +19,7 @@ from jzero import peers
 from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
 from jzero.imports import quiet_cuda_stub
-from jzero.paths import nearest_existing
+from jzero.paths import nearest_existing, refuse_other_runs_files
 from jzero.zero.config import ZeroPath
 
 
@@ -106,12 +106,7 @@ def check_train_args(args) -> tuple[Config, Path]:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name}: directory {existing} is not writable")
     if args.out and args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues its files
-        written = [f for f in ("metrics.jsonl", "summary.json") if (out / f).exists()]
-        if written:
-            raise ConfigError(
-                f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
-                "choose a new --out, or continue that run with --resume"
-            )
+        refuse_other_runs_files(out, name)
     return cfg, out
 
 

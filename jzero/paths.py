@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from jzero.errors import ConfigError
+
+RUN_FILES = ("metrics.jsonl", "summary.json")  # what a run writes in its output directory
+
 
 def nearest_existing(path: Path) -> tuple[Path, str | None]:
     """The nearest of `path` and its parents that exists, a symbolic link counting (dangling or not), and
@@ -18,3 +22,14 @@ def nearest_existing(path: Path) -> tuple[Path, str | None]:
     if existing.is_symlink() and not existing.exists():
         return existing, f"a symbolic link to {os.readlink(existing)}, which does not exist"
     return existing, "not a directory"
+
+
+def refuse_other_runs_files(out: Path, name: str) -> None:
+    """ConfigError where `out` (called `name` in the message) holds another run's `RUN_FILES`: a fresh run
+    never replaces them; only a resume continues them."""
+    written = [f for f in RUN_FILES if (Path(out) / f).exists()]
+    if written:
+        raise ConfigError(
+            f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
+            "choose a new --out, or continue that run with --resume"
+        )

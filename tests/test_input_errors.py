@@ -137,6 +137,19 @@ def test_config_file_that_is_not_a_mapping(text, kind, sets, tmp_path, capsys):
     assert err.startswith(f"jzero: error: config file {path} must be a mapping of sections") and kind in err
 
 
+def test_the_python_apis_train_refuses_another_runs_out_as_the_cli_does(tmp_path):
+    """`jzero.train.loop.train(cfg, out)` replaced another run's metrics.jsonl and summary.json, which the CLI's
+    --out refuses."""
+    from helpers import tiny_config
+    from jzero.config import ConfigError
+    from jzero.train.loop import train
+
+    (tmp_path / "metrics.jsonl").write_text("theirs\n")
+    with pytest.raises(ConfigError, match=f"^out_dir {tmp_path} holds another run's metrics.jsonl"):
+        train(tiny_config(), tmp_path, progress=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == "theirs\n" and not (tmp_path / "summary.json").exists()
+
+
 @pytest.mark.parametrize("files", [["metrics.jsonl"], ["summary.json"], ["metrics.jsonl", "summary.json"]])
 def test_a_fresh_run_into_another_runs_out_is_refused(files, tmp_path, capsys):
     """--out is owned like checkpoint.dir: before, a fresh run replaced the earlier run's files."""

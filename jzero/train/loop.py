@@ -15,6 +15,7 @@ from jzero import multihost, peers
 from jzero.config import Config, ConfigError
 from jzero.errors import Preempted, RunError
 from jzero.optim import lr_schedule
+from jzero.paths import refuse_other_runs_files
 from jzero.run import Run, build_run
 from jzero.train import ckpt_dir, sinks
 from jzero.train.data import data_identity, make_datasets
@@ -89,12 +90,22 @@ def train(
       the summary (see `report.summarize`), None if the checkpoint already reached the end,
       {} on processes other than 0 (only process 0 writes files and reports).
     Raises:
+      ConfigError: without `resume`, `out_dir` holds another run's metrics.jsonl or summary.json.
       CheckpointError: checkpoint.dir is not this run's to write (see `jzero.train.ckpt_dir`),
         or the checkpoint to resume is damaged or does not fit.
       RunError: a save failed, or the loss is not finite. Preempted: SIGTERM stopped the run
         after a step, whose checkpoint was saved (with checkpoint.dir set). SIGTERM before the
         first step, or a step that does not end soon enough, ends the process (`jzero.train.preemption`).
     """
+    if resume is None:  # as `jzero train --out` refuses: only a resume continues a run's files
+        failure = None
+        if jax.process_index() == 0:  # the one writer, asked before it writes (a collective: no process races it)
+            try:
+                refuse_other_runs_files(out_dir, f"out_dir {out_dir}")
+            except ConfigError as e:
+                failure = str(e)
+        if (failure := multihost.first_failure(failure)) is not None:
+            raise ConfigError(failure)
     watch = contextlib.nullcontext(preemption) if preemption is not None else Preemption()
     with watch as preemption:
         return _train(cfg, out_dir, progress, resume, resume_fallback, preemption)
