@@ -24,12 +24,26 @@ def nearest_existing(path: Path) -> tuple[Path, str | None]:
     return existing, "not a directory"
 
 
-def refuse_other_runs_files(out: Path, name: str) -> None:
-    """ConfigError where `out` (called `name` in the message) holds another run's `RUN_FILES`: a fresh run
-    never replaces them; only a resume continues them."""
+def refuse_other_runs_files(out: Path, name: str, hint: str = "choose a new --out, or continue that run with --resume"):
+    """ConfigError where `out` (called `name` in the message, with `hint` after) holds another run's
+    `RUN_FILES`: a fresh run never replaces them; only a resume continues them."""
     written = [f for f in RUN_FILES if (Path(out) / f).exists()]
     if written:
-        raise ConfigError(
-            f"{name} holds another run's {' and '.join(written)}: a fresh run never replaces them; "
-            "choose a new --out, or continue that run with --resume"
-        )
+        files = " and ".join(written)
+        raise ConfigError(f"{name} holds another run's {files}: a fresh run never replaces them; {hint}")
+
+
+def first_special(folder: Path, recursive: bool = False) -> Path | None:
+    """The first entry under `folder` (its whole tree with `recursive`) that is neither a regular file nor
+    a directory, links followed: a FIFO, socket or device, whose read would block or mean nothing. None if
+    none. One `scandir` per folder, its entries' own types (no stat per entry but for links)."""
+    stack = [Path(folder)]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                if e.is_dir():
+                    if recursive and not e.is_symlink():
+                        stack.append(Path(e.path))
+                elif not e.is_file():
+                    return Path(e.path)
+    return None

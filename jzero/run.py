@@ -66,17 +66,21 @@ class Run:
         Each batch runs `Zero.evaluate`, the step's forward without grads, on the params' shardings,
         with `model_state` (the train state's; None: the model's initial state, if it keeps one).
         stop: asked before each batch (on every process alike: it may be a collective), with at most one
-        batch in flight: batch i is dispatched, then batch i - 1 waited for before stop is asked again,
-        so the device keeps batch i while the host asks; where it says True, the evaluation ends there
-        and returns None, its save behind at most one batch (a SIGTERM's must not wait for the rest).
+        batch in flight and the next one loaded: batch i is dispatched, batch i + 1 read onto the devices,
+        then batch i - 1 waited for before stop is asked again, so the device keeps batch i while the
+        host reads and asks (where stop is a collective on several processes, it runs after batch i on
+        the device, and batch i + 1 is there already); where it says True, the evaluation ends there and
+        returns None, its save behind at most one batch (a SIGTERM's must not wait for the rest).
         """
         n = self.cfg.train.eval_batches
         total = previous = None
+        batch = self.device_batch(0, self.val_dataset) if n else None
         for i in range(n):
             if stop is not None and stop():
                 return None
-            m = self.zero.evaluate(params, self.device_batch(i, self.val_dataset), model_state)
+            m = self.zero.evaluate(params, batch, model_state)
             total = m if total is None else jax.tree.map(jnp.add, total, m)
+            batch = self.device_batch(i + 1, self.val_dataset) if i + 1 < n else None
             if stop is not None:
                 if previous is not None:
                     jax.block_until_ready(previous)  # the total through batch i - 1

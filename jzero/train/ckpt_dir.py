@@ -28,6 +28,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from jzero.errors import CheckpointError
+from jzero.paths import first_special
 
 FORMAT = "jzero.checkpoint/1"
 MARKER = "jzero-checkpoints.json"
@@ -38,8 +39,9 @@ _STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fix
 
 def is_step(path: Path) -> bool:
     """Whether the committed step folder `path` is jzero's: its meta item carries jzero's format, or it
-    has jzero's two items (state/, and a meta/ that is unreadable, not a folder, or not jzero's): a
-    damaged step, which restoring reports (never a step to skip silently). A symlink is never jzero's
+    has jzero's two items (state/, and a meta/ that is unreadable, not a folder, or JSON with no format):
+    a damaged step, which restoring reports (never a step to skip silently); meta of another format is
+    another tool's, never counted, moved or deleted. A symlink is never jzero's
     step: jzero writes none, and `checkpoint.keep`'s clean-up would delete what it points at. Nor is
     a folder holding a FIFO, socket or device beside its items: orbax reads a step's files as it lists
     it (`_CHECKPOINT_METADATA`), and a FIFO would block that read forever."""
@@ -47,7 +49,7 @@ def is_step(path: Path) -> bool:
     if path.is_symlink():
         return False
     try:
-        if any(not (e.is_dir() or e.is_file()) for e in os.scandir(path)):
+        if first_special(path) is not None:
             return False
     except OSError:
         return False
@@ -58,7 +60,9 @@ def is_step(path: Path) -> bool:
         meta = json.loads((path / "meta" / "metadata").read_text())
     except (OSError, ValueError):
         return damaged
-    return (isinstance(meta, dict) and meta.get("format") == FORMAT) or damaged
+    if isinstance(meta, dict) and meta.get("format") is not None:  # a format: jzero's, or another tool's
+        return meta["format"] == FORMAT
+    return damaged
 
 
 class StepNames(ocp.step.NameFormat):
@@ -119,7 +123,7 @@ def steps(directory: Path) -> list[int]:
 def open_for_reading(directory: str | Path) -> Path:
     """`directory` resolved, if it is a jzero checkpoint directory (has the owner marker)."""
     directory = Path(directory)
-    _no_backslash(directory.absolute(), "checkpoint directory")
+    resolved(directory, "checkpoint directory")  # a backslash in it, as it resolves, is refused
     if not directory.is_dir():
         what = "is a file, not a directory" if directory.exists() else "does not exist"
         raise CheckpointError(f"checkpoint directory {directory} {what}")
@@ -210,9 +214,7 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
         )
         _write_atomic(directory / MARKER, json.dumps(marker, indent=1))
     except BaseException:
-        if not (directory / MARKER).exists():  # a first claim that failed (a full disk): no lock left behind
-            (directory / LOCK).unlink(missing_ok=True)
-        lock_file.close()
+        lock_file.close()  # a first claim that failed leaves its lock file, which the next claim accepts
         raise
     return Claim(lock_file, run_id)
 

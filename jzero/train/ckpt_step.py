@@ -18,7 +18,6 @@ is a `DamagedStep`.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jzero.errors import CheckpointError, one_line
+from jzero.paths import first_special
 from jzero.train import ckpt_dir
 
 ITEMS = ("state", "meta")
@@ -116,13 +116,11 @@ def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager |
     what is wrong where it is unreadable, not jzero's, or the step holds anything but files and folders
     (a FIFO would block orbax's read of it forever)."""
     folder = Path(directory) / ckpt_dir.StepNames().build_name(step)
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = Path(root) / name
-            if path.is_symlink() or not (path.is_dir() or path.is_file()):
-                raise CheckpointError(
-                    f"checkpoint step {step} in {directory}: metadata unreadable ({path} is not a regular file)"
-                )
+    if (special := first_special(folder, recursive=True)) is not None:
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory}: unreadable ({special} is not a regular file: a FIFO or device "
+            "would block the read)"
+        )
     manager = manager or reader(directory)
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -164,7 +162,7 @@ def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
         bad = [f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model "
                f"{want[n][0] if n in want else 'absent'}" for n in misfit]  # fmt: skip
         hint = ""
-        if all("main_params/" in n and (n in want) != (n in have) for n in misfit):  # main params on one side only
+        if all(n.startswith("main_params/") and (n in want) != (n in have) for n in misfit):  # on one side only
             hint = (" (fp32 main params are kept only for params below float32: set precision.param_dtype as the run "
                     "that saved it did)")  # fmt: skip
         raise CheckpointError(

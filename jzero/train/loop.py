@@ -84,7 +84,8 @@ def train(
         strategy and path); checkpoints keep going to `checkpoint.dir` (default: there),
         and `metrics.jsonl` is continued, not rewritten. A `checkpoint.dir` with no step yet
         starts from step 0 (as Megatron's `--load`), so a job script can always pass --resume.
-      resume_fallback: if the newest checkpoint is damaged, move it aside and use the one before it.
+      resume_fallback: if the newest checkpoint is damaged, use the one before it (moving the damaged one to
+        `damaged/` where the directory is this run's checkpoint.dir; one it only reads is left as it is).
       preemption: the SIGTERM watch the caller entered (the CLI, from its start); None = one for this call.
     Returns:
       the summary (see `report.summarize`), None if the checkpoint already reached the end,
@@ -101,7 +102,7 @@ def train(
         failure = None
         if jax.process_index() == 0:  # the one writer, asked before it writes (a collective: no process races it)
             try:
-                refuse_other_runs_files(out_dir, f"out_dir {out_dir}")
+                refuse_other_runs_files(out_dir, f"out_dir {out_dir}", "choose another, or continue that run (resume=)")
             except ConfigError as e:
                 failure = str(e)
         if (failure := multihost.first_failure(failure)) is not None:

@@ -70,7 +70,8 @@ def restore_latest(
         except DamagedStep as e:
             if not fallback:
                 raise CheckpointError(
-                    f"{e}; --resume-fallback resumes from the newest undamaged step and moves this one aside"
+                    f"{e}; --resume-fallback resumes from the newest undamaged step (and moves this one aside "
+                    "where the run writes the directory)"
                 ) from None
             if not checkpointer.writer:
                 if jax.process_index() == 0:

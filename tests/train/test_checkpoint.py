@@ -336,7 +336,7 @@ def test_a_first_claim_that_failed_leaves_nothing_that_refuses_the_next(tmp_path
     with pytest.raises(CheckpointError, match="No space left on device"):
         ckpt_dir.claim(ck, "sha", resume=False)
     monkeypatch.undo()
-    assert list(ck.iterdir()) == []
+    assert [p.name for p in ck.iterdir()] in ([], [ckpt_dir.LOCK])  # at most its lock, which a claim accepts
     (ck / ckpt_dir.LOCK).write_text("")  # another run's claim in flight: its lock and marker tmp
     (ck / (ckpt_dir.MARKER + ".tmp")).write_text("")
     ckpt_dir.claim(ck, "sha", resume=False).release()
@@ -451,7 +451,18 @@ def test_meta_not_as_jzero_writes_it_or_a_fifo_in_a_step_is_a_damaged_step(damag
     assert f"step {STEPS}: DAMAGED" in capsys.readouterr().out
     argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume"]
     assert bounded(main, argv) == 2
-    assert f"checkpoint step {STEPS} in {ck}: metadata unreadable (" in one_line(capsys.readouterr().err)
+    err = one_line(capsys.readouterr().err)
+    assert f"checkpoint step {STEPS} in {ck}: " in err and "unreadable (" in err
+
+
+def test_a_step_whose_meta_is_another_tools_format_is_never_counted(base, tmp_path):
+    """A `step_*` with state/ and a meta of another format is not jzero's: never counted, so never deleted by
+    `checkpoint.keep` nor moved aside (meta with no format, or unreadable, is jzero's damaged step)."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    (step_dir(ck, 3) / "meta" / "metadata").write_text(json.dumps({"format": "someone-elses/2"}))
+    assert ckpt_dir.steps(ck) == [STEPS]
 
 
 def test_a_fifo_beside_a_steps_items_hides_the_step_rather_than_block_its_listing(base, tmp_path):

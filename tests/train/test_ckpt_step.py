@@ -83,5 +83,6 @@ def test_a_fifo_as_the_metadata_is_a_damaged_step_not_a_hang(tmp_path):
     assert not thread.is_alive(), "reading the FIFO blocked"
     assert found == [True]  # jzero's two items, meta unreadable: a damaged step, which restoring reports
     assert errors == [
-        f"checkpoint step 2 in {tmp_path}: metadata unreadable ({step}/meta/metadata is not a regular file)"
+        f"checkpoint step 2 in {tmp_path}: unreadable ({step}/meta/metadata is not a regular file: a FIFO or device "
+        "would block the read)"
     ]

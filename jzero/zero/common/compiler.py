@@ -143,6 +143,8 @@ def _takes(device: jax.Device, options: tuple) -> bool:
 
 def _spans_hosts(mesh: Mesh, axis: str) -> bool:
     """Whether a group along `axis` (the other axes fixed) holds devices of more than one process (host)."""
+    if axis not in mesh.shape:
+        return False
     index = tuple(slice(None) if name == axis else 0 for name in mesh.axis_names)
     return len({d.process_index for d in mesh.devices[index].flat}) > 1
 

@@ -144,7 +144,7 @@ def zero_optimizer(
       groups: per param a `groups.ParamGroup` (see `groups.param_groups`), or None.
       loss_scale: fp16's dynamic loss scaling (`common/loss_scale.py`): the grads arrive multiplied by
         the state's scale; they are unscaled in fp32, and an inf/nan in any of them skips the step.
-      skip_nonfinite: an inf or nan grad norm keeps the old params and state (`update.finish`).
+      skip_nonfinite: an inf or nan grad norm keeps the old params and state (`update.kept_main`, `finish`).
       spike_guard: so does a grad norm above its recent mean (`common/spike.py`), None = off.
     """
     shardings = opt_state_shardings(inner, plan, loss_scale, spike_guard=spike_guard)
@@ -166,7 +166,11 @@ def zero_optimizer(
             inner, grads, main, state, global_norm=optax.tree.norm, nonfinite=scaler.found_inf,
             clip_grad=clip_grad, loss_scale=loss_scale, groups=values,
         )  # fmt: skip
-        main = _constrain(kept_main(loss_scale, update, state, main, skip_nonfinite, spike_guard), state_sh)
+        if keep_main:  # (fp32 params: `finish` selects the params themselves)
+            main = kept_main(loss_scale, update, state, main, skip_nonfinite, spike_guard)
+        else:
+            main = update.main
+        main = _constrain(main, state_sh)
         # All-gather: each rank's updated shard goes back into the replicated model copy.
         new_params = jax.tree.map(lambda m, p, t: _gather(m, p, t, plan), main, params, plan.tensors)
         new_state = ZeroState(main if keep_main else None, _constrain(update.inner_state, inner_sh))
