@@ -58,7 +58,7 @@ from jzero.train.ckpt_step import (
 )
 from jzero.train.data import data_identity
 from jzero.train.integrity import fingerprints, mismatched
-from jzero.train.preflight import disk_full
+from jzero.train.preflight import disk_full, out_of_memory
 from jzero.train.unraisable import quiet_abandoned_io
 from jzero.zero.common import spike
 from jzero.zero.common.state import TrainState, ZeroState
@@ -66,6 +66,9 @@ from jzero.zero.common.state import TrainState, ZeroState
 
 def config_sha256(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+_OOM = "out of memory: "  # `restore`'s failure, told apart from a damaged step across processes
 
 
 class MainBridge(enum.Enum):
@@ -273,8 +276,12 @@ class Checkpointer:
             restore = ocp.args.StandardRestore(without_empty(target))
             restored = self.manager.restore(step, args=ocp.args.Composite(state=restore))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
+            oom = out_of_memory(e, f"the restore of checkpoint step {step}")  # the device's, not the step's fault
             failure = f"checkpoint step {step} in {self.directory} is unreadable: {one_line(e)}"
+            failure = _OOM + str(oom) if oom else failure
         failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
+        if failure is not None and failure.startswith(_OOM):  # not damage: --resume-fallback must not move it
+            raise RunError(failure.removeprefix(_OOM))
         if failure is not None:
             raise DamagedStep(failure)
         nested = with_empty(restored.state, target)

@@ -455,6 +455,30 @@ def test_meta_not_as_jzero_writes_it_or_a_fifo_in_a_step_is_a_damaged_step(damag
     assert f"checkpoint step {STEPS} in {ck}: " in err and "unreadable (" in err
 
 
+def test_an_out_of_memory_during_a_restore_is_not_damage_the_fallback_moves_aside(base, capsys, tmp_path,
+                                                                                  monkeypatch):
+    """A device out of memory while the arrays are read was "unreadable": `--resume-fallback` then moved the
+    newest good step to damaged/."""
+    import orbax.checkpoint as ocp
+
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    restore = ocp.CheckpointManager.restore
+
+    def oom(self, step, args=None, **kwargs):
+        if args is not None and "state" in args:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+        return restore(self, step, args=args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", oom)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume",
+            "--resume-fallback"]  # fmt: skip
+    assert main(argv) != 0
+    assert f"out of memory during the restore of checkpoint step {STEPS}" in one_line(capsys.readouterr().err)
+    assert ckpt_dir.steps(ck) == [3, STEPS] and not (ck / ckpt_dir.DAMAGED).exists()
+
+
 def test_a_step_whose_meta_is_another_tools_format_is_never_counted(base, tmp_path):
     """A `step_*` with state/ and a meta of another format is not jzero's: never counted, so never deleted by
     `checkpoint.keep` nor moved aside (meta with no format, or unreadable, is jzero's damaged step)."""
