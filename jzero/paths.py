@@ -33,6 +33,11 @@ def refuse_other_runs_files(out: Path, name: str, hint: str = "choose a new --ou
         raise ConfigError(f"{name} holds another run's {files}: a fresh run never replaces them; {hint}")
 
 
+def not_a_file(path: Path) -> bool:
+    """Whether `path` exists and is not a regular file (a folder, or a FIFO whose read would block forever)."""
+    return Path(path).exists() and not Path(path).is_file()
+
+
 def first_special(folder: Path, recursive: bool = False) -> Path | None:
     """The first entry under `folder` (its whole tree with `recursive`) that is neither a regular file nor
     a directory, links followed: a FIFO, socket or device, whose read would block or mean nothing. None if

@@ -54,6 +54,7 @@ from jzero.config import ModelConfig, NormKind, PosKind
 from jzero.interop import InteropError
 from jzero.interop.megatron_format import EXTRA_STATE
 from jzero.interop.megatron_names import Renamed
+from jzero.paths import not_a_file
 from jzero.train.layers import is_moe_block
 
 PyTree = Any
@@ -118,7 +119,7 @@ def megatron_names(cfg: ModelConfig) -> dict[str, str | None]:
 
 def read_names_file(path: str | Path) -> dict[str, str | None]:
     """A names file (module docstring), checked to be a JSON object of strings or nulls."""
-    if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read forever
+    if not_a_file(path):  # a FIFO would block the read forever
         raise InteropError(f"names file {path} is not a regular file")
     try:
         names = json.loads(Path(path).read_text())

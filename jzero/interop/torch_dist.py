@@ -27,6 +27,7 @@ import numpy as np
 
 from jzero.errors import one_line
 from jzero.interop import InteropError, torch_format
+from jzero.paths import not_a_file
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
@@ -86,7 +87,7 @@ class TorchDist:
                     "legacy format (--ckpt-format torch)"
                 )
         path = directory / METADATA_FILE
-        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+        if not_a_file(path):  # a FIFO would block the read forever
             raise InteropError(f"{path} is not a regular file")
         try:
             data = path.read_bytes()
@@ -134,7 +135,7 @@ class TorchDist:
         path = self.directory / info.relative_path
         if Path(info.relative_path).is_absolute() or ".." in Path(info.relative_path).parts:
             raise InteropError(f"{self.directory}/{METADATA_FILE} points outside the checkpoint: {info.relative_path}")
-        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+        if not_a_file(path):  # a FIFO would block the read forever
             raise InteropError(f"{path} is not a regular file")
         try:
             with open(path, "rb") as f:

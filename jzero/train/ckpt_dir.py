@@ -28,7 +28,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from jzero.errors import CheckpointError
-from jzero.paths import first_special
+from jzero.paths import first_special, not_a_file
 
 FORMAT = "jzero.checkpoint/1"
 MARKER = "jzero-checkpoints.json"
@@ -229,7 +229,7 @@ def move_aside(directory: Path, step: int) -> Path:
 
 def _lock(directory: Path):
     path = directory / LOCK
-    if path.is_symlink() or (path.exists() and not path.is_file()):  # jzero writes a plain file there, never
+    if path.is_symlink() or not_a_file(path):  # jzero writes a plain file there, never
         raise CheckpointError(  # through a link (it would overwrite the file linked to), nor opens a FIFO
             f"checkpoint.dir {directory}: {LOCK} is not a regular file (jzero writes one there): remove it"
         )

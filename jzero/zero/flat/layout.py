@@ -209,8 +209,10 @@ class FlatProgram:
             nonfinite=lambda g: collectives.any_nonfinite(g, mesh_axes),
             clip_grad=o.clip_grad, loss_scale=o.loss_scale, groups=self.group_values(ranks),
         )  # fmt: skip
-        main = kept_main(o.loss_scale, step, opt_state, main, o.skip_nonfinite, o.spike_guard) if self.keep_main \
-            else step.main  # (fp32 params: `finish` selects the params themselves)
+        if self.keep_main:  # (fp32 params: `finish` selects the params themselves)
+            main = kept_main(o.loss_scale, step, opt_state, main, o.skip_nonfinite, o.spike_guard)
+        else:
+            main = step.main
         new_main = [from_local(buf, m) for (buf, _), m in zip(fp.buckets, main)] if self.keep_main else None
         new_state = ZeroState(new_main, _unsqueeze(fp, step.inner_state))
         new_params = self.new_params(params, main)
