@@ -34,6 +34,7 @@ import enum
 import hashlib
 import json
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -118,10 +119,12 @@ class Checkpointer:
                 read_only=not writer,
                 step_name_format=ckpt_dir.StepNames(),
                 cleanup_tmp_directories=writer,  # a killed run's uncommitted step_*.orbax-checkpoint-tmp
+                todelete_subdir=ckpt_dir.DELETING if writer else None,  # dropped steps leave in one rename
             ),
             item_names=ITEMS,
         )
         self._saving: int | None = None  # the step of the save in flight
+        self._purge: threading.Thread | None = None  # deleting the steps `keep` dropped (`_purge_dropped`)
         zero = run.zero
         self._to_model = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)
         self._from_model = jax.jit(zero.from_model_space, out_shardings=zero.shardings.opt_state)
@@ -242,6 +245,17 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._save_failed(step, e) from None
+        self._purge_dropped()
+
+    def _purge_dropped(self) -> None:
+        """Deletes, on process 0 and beside the steps that follow, the steps `keep` dropped: orbax renamed
+        them into `deleting/` as it committed the save (`ckpt_dir.purge_deleting`)."""
+        if jax.process_index() != 0 or (self._purge is not None and self._purge.is_alive()):
+            return  # one at a time; the next finds what this one did not
+        self._purge = threading.Thread(
+            target=ckpt_dir.purge_deleting, args=(self.directory,), name="jzero-purge-dropped-steps", daemon=True
+        )
+        self._purge.start()
 
     # ------------------------------------------------------------ restore
 
@@ -344,9 +358,14 @@ class Checkpointer:
             if check:
                 self.check_saved()
             self.manager.close()
+            if self._purge is not None:  # bounded: what a kill or the bound leaves, the next run deletes
+                self._purge.join(timeout=PURGE_WAIT_S)
         finally:
             if self._claim is not None:
                 self._claim.release()
+
+
+PURGE_WAIT_S = 60.0  # how long a closing run waits for dropped steps to be deleted (`Checkpointer.close`)
 
 
 def _note(message: str) -> None:

@@ -8,6 +8,10 @@
                               and never through a symlink (jzero writes none; deleting it would reach
                               the folder it points at)
       damaged/                steps found damaged, moved aside so the same step can be saved again
+      deleting/               steps `checkpoint.keep` drops: renamed here in one step (orbax's
+                              `todelete_subdir`), then deleted (`purge_deleting`); a kill while a
+                              step is deleted leaves its remains here, never a half step among the
+                              steps, and the next run that writes here finishes deleting them
 
 jzero writes only into a directory that is new, empty, or marked as its own; a marked directory
 that already holds steps is continued only with `--resume`; nothing it did not write is ever
@@ -20,6 +24,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import shutil
 import socket
 import time
 import uuid
@@ -34,6 +40,7 @@ FORMAT = "jzero.checkpoint/1"
 MARKER = "jzero-checkpoints.json"
 LOCK = "jzero.lock"
 DAMAGED = "damaged"
+DELETING = "deleting"
 _STEP_FORMAT = ocp.step.standard_name_format(step_prefix="step", step_format_fixed_length=8)
 
 
@@ -213,6 +220,7 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
              "config_sha256": config_sha256, "steps_found": saved}
         )
         _write_atomic(directory / MARKER, json.dumps(marker, indent=1))
+        purge_deleting(directory)  # what a killed run was deleting
     except BaseException:
         lock_file.close()  # a first claim that failed leaves its lock file, which the next claim accepts
         raise
@@ -225,6 +233,18 @@ def move_aside(directory: Path, step: int) -> Path:
     target.parent.mkdir(exist_ok=True)
     os.rename(directory / StepNames().build_name(step), target)
     return target
+
+
+def purge_deleting(directory: Path) -> None:
+    """Deletes the steps in `directory`'s `deleting/` (module docstring): only folders named as steps, never
+    through a symlink; one that cannot be deleted now (permissions, a busy file) stays for a later purge."""
+    try:
+        entries = list(os.scandir(directory / DELETING))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False) and re.fullmatch(r"step_\d{8,}", entry.name):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _lock(directory: Path):

@@ -220,6 +220,7 @@ def test_a_symlinked_step_is_not_jzeros_and_keep_never_follows_it(base, tmp_path
     args = sets(train__steps=STEPS + 2, checkpoint__dir=ck, checkpoint__every=2, checkpoint__keep=1)
     assert main(["train", "--out", str(tmp_path / "o"), *TINY, *args, "--resume"]) == 0
     assert ckpt_dir.steps(ck) == [STEPS + 2]
+    assert list((ck / ckpt_dir.DELETING).iterdir()) == []  # step 6 dropped, renamed there, then deleted
     assert step_dir(ck, 3).is_symlink()
     assert sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*")) == before
 
@@ -257,6 +258,9 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(capsys, tmp_p
         argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=2, checkpoint__dir=ck)]
         assert main(argv) == 2
         assert f"in use by another jzero run (pid {holder.pid}" in one_line(capsys.readouterr().err)
+        assert main(argv + ["--resume"]) == 2  # it said "starting from step 0" before it was refused
+        out, err = capsys.readouterr()
+        assert "in use by another jzero run" in one_line(err) and "starting from step" not in out
     finally:
         holder.kill()
         holder.wait()
@@ -320,6 +324,33 @@ def test_a_lock_that_is_a_symlink_is_refused_not_written_through(capsys, tmp_pat
     with pytest.raises(CheckpointError, match=f"{ckpt_dir.LOCK} is not a regular file"):
         ckpt_dir.claim(ck, "sha", resume=False)
     assert victim.read_text() == "mine"
+
+
+def test_keep_drops_a_step_in_one_rename_and_the_next_writer_deletes_what_a_kill_left(base, tmp_path, monkeypatch):
+    """`checkpoint.keep`'s clean-up renames a dropped step into `deleting/` before deleting it: a kill while
+    it deletes (SIGKILL after a scheduler's grace period) left a half-deleted `step_*` among the steps, one
+    whose meta was gone counted as not jzero's, and a later save of that step number was refused."""
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    monkeypatch.setattr(ckpt_dir, "purge_deleting", lambda directory: None)  # as if killed before deleting
+    args = sets(train__steps=STEPS + 2, checkpoint__dir=ck, checkpoint__every=2, checkpoint__keep=1)
+    assert main(["train", "--out", str(tmp_path / "o"), *TINY, *args, "--resume"]) == 0
+    monkeypatch.undo()
+    assert ckpt_dir.steps(ck) == [STEPS + 2]
+    dropped = ck / ckpt_dir.DELETING
+    assert sorted(p.name for p in dropped.iterdir()) == [step_dir(ck, 3).name, step_dir(ck, STEPS).name]
+    assert all(ckpt_dir.is_step(p) for p in dropped.iterdir())  # whole: renamed, not deleted in place
+    shutil.rmtree(dropped / step_dir(ck, 3).name / "meta")  # what a kill in the middle of deleting it leaves
+    elsewhere = tmp_path / "not_jzeros"
+    elsewhere.mkdir()
+    (elsewhere / "x").write_text("keep me")
+    (dropped / "step_00000099").symlink_to(elsewhere)
+    (dropped / "notes.txt").write_text("a user's")
+    ckpt_dir.claim(ck, "sha", resume=True).release()  # the next run that writes here
+    assert sorted(p.name for p in dropped.iterdir()) == ["notes.txt", "step_00000099"]
+    assert (elsewhere / "x").read_text() == "keep me"
+    assert ckpt_dir.steps(ck) == [STEPS + 2]
 
 
 def test_a_first_claim_that_failed_leaves_nothing_that_refuses_the_next(tmp_path, monkeypatch):
