@@ -126,14 +126,14 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
     ck = cfg.checkpoint
     main_process = jax.process_index() == 0
     resume_dir = None if resume is None else resolve_resume_dir(cfg, resume or None)
-    if resume is not None and resume_dir is None and main_process:
-        print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
     multihost.same_everywhere(f"--resume reads {resume_dir}", "checkpoint directories (a path not shared?)")
     save_dir = ckpt_dir.resolved(ck.dir) if ck.dir is not None else resume_dir
     continuing = resume_dir is not None and save_dir == resume_dir
     ckpt = None
     if save_dir is not None:
         ckpt = Checkpointer(save_dir, run, keep=ck.keep, async_save=ck.async_, resume=continuing)
+    if resume is not None and resume_dir is None and main_process:  # once the directory is this run's to write
+        print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
     failed = True
     try:
         if resume_dir is None:
