@@ -357,8 +357,10 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     for key in ("timeout_s", "heartbeat_timeout_s"):
         _positive(f"distributed.{key}", getattr(cfg.distributed, key))
-    if cfg.distributed.step_timeout_s < 0:
-        raise ConfigError(f"distributed.step_timeout_s={cfg.distributed.step_timeout_s} must be >= 0 (0 = off)")
+    for key, value in (("distributed.step_timeout_s", cfg.distributed.step_timeout_s),
+                       ("checkpoint.timeout_s", cfg.checkpoint.timeout_s)):  # fmt: skip
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0 (0 = off)")
     if m.impl == GPT_IMPL:
         _check_gpt(m, mesh)
         _check_attention(cfg)

@@ -31,6 +31,7 @@ The pieces, one responsibility each:
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import sys
@@ -85,7 +86,8 @@ class Checkpointer:
 
     writer=True claims `directory` for this run (`ckpt_dir.claim`: refuses a directory that is
     not jzero's, or holds another run's steps unless `resume`, or is locked by a live run) and
-    keeps the newest `keep` steps; writer=False only reads a jzero checkpoint directory.
+    keeps the newest `keep` steps; writer=False only reads a jzero checkpoint directory. A save is
+    waited for at most `timeout_s` seconds (0: without a bound; `_within_timeout`).
     """
 
     def __init__(
@@ -97,10 +99,11 @@ class Checkpointer:
         async_save: bool = True,
         writer: bool = True,
         resume: bool = False,
+        timeout_s: float = 1800,
     ):
         if writer and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise CheckpointError(f"keep={keep!r}: a writer keeps at least its newest step (an integer >= 1)")
-        self.run, self.writer = run, writer
+        self.run, self.writer, self.async_save, self.timeout_s = run, writer, async_save, timeout_s
         self._claim = None
         quiet_abandoned_io()
         if writer:
@@ -124,6 +127,7 @@ class Checkpointer:
             item_names=ITEMS,
         )
         self._saving: int | None = None  # the step of the save in flight
+        self._stalled = False  # a save that did not finish within timeout_s: orbax's threads still wait on it
         self._purge: threading.Thread | None = None  # deleting the steps `keep` dropped (`_purge_dropped`)
         zero = run.zero
         self._to_model = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)
@@ -214,17 +218,41 @@ class Checkpointer:
                 raise RunError(f"cannot save checkpoint step {step}: {folder} is not jzero's; move it away")
 
         multihost.on_process_0(refuse_foreign, RunError)
-        self._saving = step
-        try:
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(without_empty(nested)), meta=ocp.args.JsonSave(meta)
-                ),
-                force=True,
+        args = ocp.args.Composite(state=ocp.args.StandardSave(without_empty(nested)), meta=ocp.args.JsonSave(meta))
+        save = functools.partial(self.manager.save, step, args=args, force=True)
+        if self.async_save:  # orbax writes in its thread; `check_saved` waits for it
+            self._saving = step
+            try:
+                save()
+            except Exception as e:
+                raise self._save_failed(step, e) from None
+        else:  # the files are written here
+            self._within_timeout(step, save)
+            self._purge_dropped()
+
+    def _within_timeout(self, step: int, write) -> None:
+        """`write()`, the save of `step` or the wait for it, waited for at most `timeout_s` (0: without a
+        bound); RunError if it failed or did not end in time (a stalled filesystem: orbax's thread is left
+        waiting on it, and `close` does not wait for it again)."""
+        done, failure = threading.Event(), []
+
+        def run():
+            try:
+                write()
+            except Exception as e:
+                failure.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="jzero-checkpoint-save", daemon=True).start()
+        if not done.wait(self.timeout_s or None):
+            self._stalled = True
+            raise RunError(
+                f"checkpoint step {step} was not written to {self.directory} within checkpoint.timeout_s="
+                f"{self.timeout_s:g} s (a stalled filesystem?); the steps saved before it are intact"
             )
-        except Exception as e:
-            raise self._save_failed(step, e) from None
+        if failure:
+            raise self._save_failed(step, failure[0]) from None
 
     def _save_failed(self, step: int, e: Exception) -> RunError:
         """The one line for a save of `step` that failed with `e` (a full disk or quota named as such, not by
@@ -237,14 +265,12 @@ class Checkpointer:
         return RunError(f"saving checkpoint step {step} to {self.directory} failed: {one_line(e)}")
 
     def check_saved(self) -> None:
-        """Waits for the save in flight; RunError if it failed (orbax reports it here, once)."""
+        """Waits for the save in flight, at most `timeout_s` (`_within_timeout`); RunError if it failed (orbax
+        reports it here, once) or did not finish in time."""
         if self._saving is None:
             return
         step, self._saving = self._saving, None
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:
-            raise self._save_failed(step, e) from None
+        self._within_timeout(step, self.manager.wait_until_finished)
         self._purge_dropped()
 
     def _purge_dropped(self) -> None:
@@ -357,7 +383,8 @@ class Checkpointer:
         try:
             if check:
                 self.check_saved()
-            self.manager.close()
+            if not self._stalled:  # orbax's close would wait for the stalled save, without a bound
+                self.manager.close()
             if self._purge is not None:  # bounded: what a kill or the bound leaves, the next run deletes
                 self._purge.join(timeout=PURGE_WAIT_S)
         finally:

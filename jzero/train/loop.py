@@ -131,7 +131,9 @@ def _train(cfg, out_dir, progress, resume, resume_fallback, preemption: Preempti
     continuing = resume_dir is not None and save_dir == resume_dir
     ckpt = None
     if save_dir is not None:
-        ckpt = Checkpointer(save_dir, run, keep=ck.keep, async_save=ck.async_, resume=continuing)
+        ckpt = Checkpointer(
+            save_dir, run, keep=ck.keep, async_save=ck.async_, resume=continuing, timeout_s=ck.timeout_s
+        )
     if resume is not None and resume_dir is None and main_process:  # once the directory is this run's to write
         print(f"no checkpoint in checkpoint.dir={ck.dir} yet: starting from step 0")
     failed = True

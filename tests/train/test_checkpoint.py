@@ -374,6 +374,44 @@ def test_a_first_claim_that_failed_leaves_nothing_that_refuses_the_next(tmp_path
     assert ckpt_dir.read_marker(ck) is not None
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_save_that_never_ends_stops_the_run_within_checkpoint_timeout(async_save, tmp_path, monkeypatch):
+    """A stalled filesystem (a save's write that never returns) is a one-line RunError after
+    `checkpoint.timeout_s`, and closing the Checkpointer does not wait for the save again (orbax's close would)."""
+    from helpers import tiny_config
+    from jzero.errors import RunError
+    from jzero.train.checkpoint import Checkpointer
+    from jzero.train.loop import setup
+
+    run = setup(tiny_config())
+    ck = Checkpointer(tmp_path / "ck", run, keep=1, async_save=async_save, timeout_s=1)
+    stall = threading.Event()
+    name = "wait_until_finished" if async_save else "save"
+    real = getattr(ck.manager, name)
+
+    def stalled(*args, **kwargs):
+        if threading.current_thread().name == "jzero-checkpoint-save":  # not orbax's own wait inside its save
+            stall.wait(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck.manager, name, stalled)
+    raised = []
+
+    def save_and_close():
+        try:
+            ck.save(run.init_state(), run.cfg)
+            ck.check_saved()
+        except RunError as e:
+            raised.append(str(e))
+        ck.close(check=False)
+
+    start = time.monotonic()
+    bounded(save_and_close, seconds=60)
+    assert time.monotonic() - start < 30
+    assert len(raised) == 1 and "not written to" in raised[0] and "checkpoint.timeout_s=1 s" in raised[0], raised
+    stall.set()  # the write goes on and ends: nothing of the test is left running
+
+
 def test_a_writer_keeps_at_least_one_step(tmp_path):
     from helpers import tiny_config
     from jzero.train.checkpoint import Checkpointer
