@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import secrets
+import shutil
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from jzero.errors import one_line
 from jzero.interop import InteropError, torch_dist, torch_format
 from jzero.interop.megatron_format import (
     EXTRA_STATE,
@@ -46,6 +50,7 @@ from jzero.interop.megatron_parallel import (
     split_ranks,
     tp_dim,
 )
+from jzero.train.preflight import disk_full
 from jzero.zero import Zero
 from jzero.zero.common.state import TrainState
 
@@ -332,12 +337,7 @@ def write(
     _check_divides(model, tp, query_groups, what)
     whole = {"model": model, "param": main, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
-    if ckpt_format == "torch_dist" and (Path(path) / f"iter_{iteration:07d}").exists():
-        raise InteropError(f"{Path(path) / f'iter_{iteration:07d}'} exists: jzero never overwrites a checkpoint")
-    if (Path(path) / TRACKER).exists():  # another run's: Megatron would load jzero's iteration instead of its own
-        raise InteropError(
-            f"{Path(path) / TRACKER} exists: jzero never overwrites a checkpoint's tracker; choose another directory"
-        )
+    _refuse_to_overwrite(Path(path), iteration)
     if ckpt_format == "torch_dist":
         return _write_torch_dist(path, iteration, whole, order, params_order, param_groups, scheduler, bucket_size,
                                  dtype_key, (tp, pp, ep), tied, data_parallel, model_args, what)  # fmt: skip
@@ -376,12 +376,71 @@ def write(
         files[mp_folder(t, p, e, pp, ep)] = (model_file, buffers if moe else buffers[0])
     if jax.process_index() != 0:
         return folder
-    for name, (model_file, optim) in files.items():
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        torch_format.save(model_file, folder / name / MODEL_FILE)
-        torch_format.save(optim, folder / name / OPTIM_FILE)
-    (Path(path) / TRACKER).write_text(str(iteration))
+
+    def fill(iter_folder: Path) -> None:
+        for name, (model_file, optim) in files.items():
+            (iter_folder / name).mkdir(parents=True)
+            torch_format.save(model_file, iter_folder / name / MODEL_FILE)
+            torch_format.save(optim, iter_folder / name / OPTIM_FILE)
+
+    _write_all_or_nothing(Path(path), iteration, fill)
     return folder
+
+
+def _refuse_to_overwrite(out: Path, iteration: int) -> None:
+    """One line for `out`'s iter_N or tracker that exists: another run's (Megatron would load jzero's iteration
+    instead of its own), never overwritten."""
+    folder = out / f"iter_{iteration:07d}"
+    if folder.exists() or folder.is_symlink():
+        raise InteropError(f"{folder} exists: jzero never overwrites a checkpoint")
+    tracker = out / TRACKER
+    if tracker.exists() or tracker.is_symlink():
+        raise InteropError(f"{tracker} exists: jzero never overwrites a checkpoint's tracker; choose another directory")
+
+
+def _write_all_or_nothing(out: Path, iteration: int, fill: Callable[[Path], None]) -> None:
+    """Writes `out/iter_N` (`fill(folder)` writes its files into `folder`, made by it) and the tracker, so that a
+    failure leaves nothing Megatron would read (it reads the tracker, then iter_N): every byte goes into a fresh
+    `iter_N.jzero-tmp-<random>/` beside iter_N first (its `iter_N/` and tracker), then iter_N and the tracker are
+    renamed into place, the tracker last. On a failure what this call made is removed (and nothing else); an
+    OSError (a full disk, a permission) is raised as one line naming `out`."""
+    folder = out / f"iter_{iteration:07d}"
+    made = [p for p in (out, *out.parents) if not (p.exists() or p.is_symlink())]  # deepest first
+    staging = out / f"{folder.name}.jzero-tmp-{secrets.token_hex(4)}"
+    staged = placed = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        staged = True
+        fill(staging / folder.name)
+        (staging / TRACKER).write_text(str(iteration))
+        _refuse_to_overwrite(out, iteration)  # one that appeared while this call wrote
+        os.rename(staging / folder.name, folder)
+        placed = True
+        os.replace(staging / TRACKER, out / TRACKER)
+    except BaseException as e:
+        left = [p for p, ours in ((folder, placed), (staging, staged)) if ours and not _remove(p)]
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        if not isinstance(e, OSError):
+            raise
+        after = f"remove its partial {' and '.join(map(str, left))}" if left else "nothing was written there"
+        if disk_full(e):
+            raise InteropError(
+                f"no space left (on the device or in the quota) while exporting the Megatron checkpoint to {out}: free "
+                f"space there or choose another directory; {after}"
+            ) from e
+        raise InteropError(f"exporting the Megatron checkpoint to {out} failed: {one_line(e)}; {after}") from e
+    _remove(staging)  # empty now; the checkpoint is complete either way
+
+
+def _remove(tree: Path) -> bool:
+    """Removes `tree` (a folder this call made); whether it is gone."""
+    shutil.rmtree(tree, ignore_errors=True)
+    return not (tree.exists() or tree.is_symlink())
 
 
 # ---------------------------------------------------------------- torch_dist (dp_reshardable)
@@ -536,6 +595,8 @@ def _write_torch_dist(
     if jax.process_index() != 0:
         return folder
     vocab = {k: tp for k in (EMBEDDING, OUTPUT) if k in tensors}  # its chunks tell a reader the tp size
-    torch_dist.write(folder, {**tensors, **optim}, objects, common, MARKER, row_chunks=vocab)
-    (Path(path) / TRACKER).write_text(str(iteration))
+    _write_all_or_nothing(
+        Path(path), iteration,
+        lambda iter_folder: torch_dist.write(iter_folder, {**tensors, **optim}, objects, common, MARKER, vocab),
+    )  # fmt: skip
     return folder

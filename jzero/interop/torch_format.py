@@ -502,11 +502,18 @@ def dumps(obj: Any, archive: str = "archive") -> bytes:
 
 def save(obj: Any, path: str | os.PathLike) -> None:
     """Writes `obj` as `torch.save(obj, path)` would (module docstring), atomically (a temporary file
-    beside `path`, then renamed). The archive folder is the file's stem, as torch names it."""
+    beside `path`, then renamed; removed again if the write fails). The archive folder is the file's stem,
+    as torch names it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    _write_zip(obj, tmp, path.stem or "archive")
-    os.replace(tmp, path)
+    f = open(tmp, "wb")  # once it is open, its bytes are this call's: a failure below may remove it
+    try:
+        with f:
+            _write_zip(obj, f, path.stem or "archive")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _write_zip(obj: Any, target, archive: str) -> None:

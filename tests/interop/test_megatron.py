@@ -19,6 +19,13 @@ each compared quantity's magnitude, is the fixtures' own guidance for a float32 
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
+import math
+import os
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -353,6 +360,99 @@ def test_export_never_overwrites_megatrons_tracker(ckpt_format, tmp_path):
     )
     assert (tmp_path / megatron.TRACKER).read_text() == "100"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100", megatron.TRACKER]
+
+
+class Disk:
+    """The disk under `root` holds `capacity` bytes: a write to a file opened under it that would pass that raises
+    OSError(`error`) as a full disk does. Every file jzero writes is opened with `open` (`io.open`), so this is the
+    lowest level its writers reach; `used` counts the bytes written."""
+
+    def __init__(self, monkeypatch, root: Path, capacity: float = math.inf, error: int = errno.ENOSPC):
+        self.root, self.capacity, self.error, self.used = root, capacity, error, 0
+        real = io.open
+
+        def opened(file, mode="r", *args, **kwargs):
+            f = real(file, mode, *args, **kwargs)
+            under = isinstance(file, str | os.PathLike) and Path(file).resolve().is_relative_to(root)
+            return Disk.File(self, f) if under and set(mode) & set("wax+") else f
+
+        monkeypatch.setattr(builtins, "open", opened)
+        monkeypatch.setattr(io, "open", opened)
+
+    class File:
+        def __init__(self, disk: Disk, f):
+            self._disk, self._f = disk, f
+
+        def write(self, data) -> int:
+            n = len(data) if isinstance(data, str) else memoryview(data).nbytes
+            if self._disk.used + n > self._disk.capacity:
+                raise OSError(self._disk.error, os.strerror(self._disk.error), self._f.name)
+            self._disk.used += n
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+
+def _write_tiny(out: Path, ckpt_format: str) -> Path:
+    from jzero.interop.megatron_save import write
+
+    model = {"embedding.word_embeddings.weight": np.ones((8, 4), np.float32)}
+    return write(out, iteration=2, model=model, main=model, exp_avg=model, exp_avg_sq=model, order=list(model),
+                 param_groups=[], scheduler={}, ckpt_format=ckpt_format,
+                 data_parallel=1 if ckpt_format == "torch_dist" else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+@pytest.mark.parametrize(
+    "error, full",
+    [("ENOSPC", "at once"), ("ENOSPC", "halfway"), ("ENOSPC", "at the tracker"), ("EDQUOT", "halfway"),
+     ("EIO", "halfway")],
+)  # fmt: skip
+def test_a_failed_export_leaves_nothing(ckpt_format, error, full, tmp_path, monkeypatch):
+    """A disk that fills (or fails) at the first byte, halfway, or at the tracker, the export's last byte: one line
+    naming OUT_DIR, and nothing in it that looks like a checkpoint to Megatron (no tracker, no iter_N) nor half a
+    file (*.tmp, the staging folder); a user's file in it untouched, an OUT_DIR the export made removed."""
+    disk = Disk(monkeypatch, tmp_path)
+    _write_tiny(tmp_path / "measured", ckpt_format)
+    need = disk.used
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    disk.error = getattr(errno, error)
+    disk.capacity = {"at once": 0, "halfway": need // 2, "at the tracker": need - 1}[full]
+    for where in (out, tmp_path / "new" / "out"):
+        disk.used = 0
+        with pytest.raises(InteropError) as info:
+            _write_tiny(where, ckpt_format)
+        msg = str(info.value)
+        assert full != "at the tracker" or Path(info.value.__cause__.filename).name == megatron.TRACKER
+        assert "\n" not in msg and str(where) in msg and msg.endswith("; nothing was written there"), msg
+        if error == "EIO":
+            assert msg.startswith(f"exporting the Megatron checkpoint to {where} failed: OSError: [Errno 5]"), msg
+        else:
+            assert msg.startswith("no space left (on the device or in the quota) while exporting"), msg
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_an_export_leaves_only_the_checkpoint(ckpt_format, tmp_path):
+    """No staging folder and no *.tmp beside or in iter_N; an existing iter_N is refused (never written into)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    folder = _write_tiny(tmp_path, ckpt_format)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", megatron.TRACKER, "notes.txt"]
+    assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp")]
+    assert megatron.read(tmp_path).iteration == 2
+    (tmp_path / megatron.TRACKER).unlink()
+    with pytest.raises(InteropError, match="iter_0000002 exists: jzero never overwrites a checkpoint"):
+        _write_tiny(tmp_path, ckpt_format)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
