@@ -229,6 +229,25 @@ def _own_config_class(impl: str) -> type | None:
     return own
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice: PyYAML keeps the last one silently,
+    so a config's `keep: 3` further down would undo the one a user edited."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key_node.tag != "tag:yaml.org,2002:merge" and isinstance(key, str | int | float | bool):
+                    if key in first:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} appears twice (first at line {first[key] + 1})",
+                            key_node.start_mark,
+                        )  # fmt: skip
+                    first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def _apply_override(raw: dict, assignment: str) -> None:
     """Applies one `a.b=value` override (value parsed as YAML) to the raw dict."""
     if "=" not in assignment:
@@ -268,7 +287,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except OSError as e:  # unreadable: permissions, a FIFO gone, ...
             raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__})") from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:  # str(e) spans several lines
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -176,6 +176,15 @@ def test_config_file_with_a_nul(tmp_path, capsys):
     assert err.startswith(f"jzero: error: config file {path} is not valid YAML: unacceptable character #x0000")
 
 
+def test_config_file_that_names_a_key_twice(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys without a word: the second `keep` undid the first."""
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  keep: 5\n  every: 10\n  keep: 3\n")
+    err = error_line(["train", str(path)], capsys)
+    assert err == (f"jzero: error: config file {path} is not valid YAML at line 4, column 3: "
+                   "key 'keep' appears twice (first at line 2)")  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["c.yaml", "conf"])
 def test_config_path_that_is_a_directory(name, tmp_path, capsys, monkeypatch):
     """Before, "does not exist" (or, for a bare name, "no file and no preset")."""
