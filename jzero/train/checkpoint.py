@@ -36,6 +36,7 @@ import hashlib
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -295,7 +296,7 @@ class Checkpointer:
     def restore(self, step: int) -> TrainState:
         """Restores `step` straight into this run's shardings (no array is gathered whole).
 
-        Raises DamagedStep if its files are unreadable or an array differs from its fingerprint,
+        Raises DamagedStep if its files are unreadable (`READ_ATTEMPTS` times) or an array differs from its fingerprint,
         CheckpointError if it does not fit the model, or there is no complete step `step`.
         """
         steps = self.steps()
@@ -311,15 +312,19 @@ class Checkpointer:
             target.pop("model_state", None)  # saved before the model kept state: it starts from its initial one
         target, keep_spike = self._spike_target(meta, target)
         check_fits(step, self.directory, meta, target)
-        restored, failure = None, None
-        try:
-            restore = ocp.args.StandardRestore(without_empty(target))
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=restore))
-        except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-            oom = out_of_memory(e, f"the restore of checkpoint step {step}")  # the device's, not the step's fault
-            failure = f"checkpoint step {step} in {self.directory} is unreadable: {one_line(e)}"
-            failure = _OOM + str(oom) if oom else failure
-        failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
+        for attempt in range(READ_ATTEMPTS):  # a read error may be the filesystem's passing fault, not damage
+            restored, failure = None, None
+            try:
+                restore = ocp.args.StandardRestore(without_empty(target))
+                restored = self.manager.restore(step, args=ocp.args.Composite(state=restore))
+            except Exception as e:  # orbax/tensorstore raise many types for a damaged file
+                oom = out_of_memory(e, f"the restore of checkpoint step {step}")  # the device's, not the step's fault
+                failure = f"checkpoint step {step} in {self.directory} is unreadable: {one_line(e)}"
+                failure = _OOM + str(oom) if oom else failure
+            failure = multihost.first_failure(failure)  # before any collective: one process may fail alone
+            if failure is None or failure.startswith(_OOM) or attempt == READ_ATTEMPTS - 1:
+                break
+            time.sleep(READ_RETRY_S)
         if failure is not None and failure.startswith(_OOM):  # not damage: --resume-fallback must not move it
             raise RunError(failure.removeprefix(_OOM))
         if failure is not None:
@@ -392,6 +397,9 @@ class Checkpointer:
                 self._claim.release()
 
 
+# A step whose arrays fail to read is read again, all of it, before it counts as damaged (what
+# `--resume-fallback` moves aside): a network filesystem's passing error (EIO, ESTALE, a timeout) is not damage.
+READ_ATTEMPTS, READ_RETRY_S = 2, 2.0
 PURGE_WAIT_S = 60.0  # how long a closing run waits for dropped steps to be deleted (`Checkpointer.close`)
 
 

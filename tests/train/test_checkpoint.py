@@ -548,6 +548,30 @@ def test_an_out_of_memory_during_a_restore_is_not_damage_the_fallback_moves_asid
     assert ckpt_dir.steps(ck) == [3, STEPS] and not (ck / ckpt_dir.DAMAGED).exists()
 
 
+def test_a_read_error_that_passes_is_not_damage_the_fallback_moves_aside(base, capsys, tmp_path, monkeypatch):
+    """A network filesystem's passing read error (EIO once) made `--resume-fallback` move the newest good step
+    to damaged/ and resume from an older one; the step is read again before it counts as damaged."""
+    import orbax.checkpoint as ocp
+
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    restore, failed = ocp.CheckpointManager.restore, []
+
+    def once(self, step, args=None, **kwargs):
+        if args is not None and "state" in args and not failed:
+            failed.append(step)
+            raise OSError(5, "Input/output error")
+        return restore(self, step, args=args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", once)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume",
+            "--resume-fallback"]  # fmt: skip
+    assert main(argv) == 0
+    assert failed == [STEPS] and f"resuming from checkpoint step {STEPS}" in capsys.readouterr().out
+    assert not (ck / ckpt_dir.DAMAGED).exists()
+
+
 def test_a_step_whose_meta_is_another_tools_format_is_never_counted(base, tmp_path):
     """A `step_*` with state/ and a meta of another format is not jzero's: never counted, so never deleted by
     `checkpoint.keep` nor moved aside (meta with no format, or unreadable, is jzero's damaged step)."""
