@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jzero import multihost
 from jzero.errors import CheckpointError, one_line
 from jzero.paths import first_special
 from jzero.train import ckpt_dir
@@ -114,13 +115,18 @@ def reader(directory: str | Path) -> ocp.CheckpointManager:
 def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager | None = None) -> dict:
     """The meta item of `step` in `directory`, checked to be jzero's (`_check_meta`); CheckpointError naming
     what is wrong where it is unreadable, not jzero's, or the step holds anything but files and folders
-    (a FIFO would block orbax's read of it forever)."""
+    (a FIFO would block orbax's read of it forever). With many processes, call it on all: the step's tree is
+    walked by process 0 alone (on a parallel filesystem, thousands of processes' walks are a metadata storm)."""
     folder = Path(directory) / ckpt_dir.StepNames().build_name(step)
-    if (special := first_special(folder, recursive=True)) is not None:
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory}: unreadable ({special} is not a regular file: a FIFO or device "
-            "would block the read)"
-        )
+
+    def no_special_file():
+        if (special := first_special(folder, recursive=True)) is not None:
+            raise CheckpointError(
+                f"checkpoint step {step} in {directory}: unreadable ({special} is not a regular file: a FIFO or "
+                "device would block the read)"
+            )
+
+    multihost.on_process_0(no_special_file, CheckpointError)
     manager = manager or reader(directory)
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
