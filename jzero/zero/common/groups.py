@@ -19,6 +19,7 @@ groups that the inner transformation would silently ignore.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -98,6 +99,21 @@ def per_param_values(groups: PyTree) -> GroupValues:
         jax.tree.map(lambda g: g.lr_mult, groups, is_leaf=is_group),
         jax.tree.map(lambda g: g.wd_mult, groups, is_leaf=is_group),
     )
+
+
+def with_extra_args(inner) -> optax.GradientTransformationExtraArgs:
+    """`inner` as a transformation whose `update` takes extra arguments (`param_groups`): itself where its
+    `update` takes them (`**kwargs`: `optax.MultiSteps`, which forwards them to the chain it wraps, is no
+    `GradientTransformationExtraArgs`), else `optax.with_extra_args_support`'s wrapper, which drops them."""
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+        return inner
+    try:
+        takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(inner.update).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        takes = False
+    if not takes:
+        return optax.with_extra_args_support(inner)
+    return optax.GradientTransformationExtraArgs(inner.init, inner.update)
 
 
 def multipliers(extra_args: dict, field: str, updates: PyTree) -> PyTree:

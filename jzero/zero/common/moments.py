@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jzero.zero.common.groups import with_extra_args
+
 PyTree = Any
 
 
@@ -39,7 +41,7 @@ def store_state_in(inner: optax.GradientTransformation, dtype) -> optax.Gradient
     reach `inner` unchanged.
     """
     dtype = jnp.dtype(dtype)
-    inner = optax.with_extra_args_support(inner)
+    inner = with_extra_args(inner)
 
     def init(params):
         return jax.tree.map(lambda x: x.astype(dtype) if _stored(x) else x, inner.init(params))

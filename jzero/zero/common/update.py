@@ -22,7 +22,7 @@ import optax
 
 from jzero.zero.common import loss_scale as scaler
 from jzero.zero.common import spike
-from jzero.zero.common.groups import EXTRA_ARG, GroupValues
+from jzero.zero.common.groups import EXTRA_ARG, GroupValues, with_extra_args
 from jzero.zero.common.state import ZeroState
 from jzero.zero.config import DynamicLossScale, SpikeGuard
 
@@ -164,7 +164,7 @@ def inner_update(
     `param_groups`; transformations that do not take extra arguments never see it.
     """
     extra = {} if groups is None else {EXTRA_ARG: groups}
-    return optax.with_extra_args_support(inner).update(grads, inner_state, main, **extra)
+    return with_extra_args(inner).update(grads, inner_state, main, **extra)
 
 
 def model_copy(main: PyTree, dtypes: PyTree) -> PyTree:
