@@ -49,7 +49,9 @@ def _multiprocess(args: argparse.Namespace) -> dict:
             "(or --distributed on a cluster, or `jzero launch --local N` on this machine)"
         )
     n, me = args.num_processes, args.process_id
-    if n < 1 or not 0 <= me < n:
+    if n < 1:
+        raise ConfigError(f"--num-processes {n} must be >= 1")
+    if not 0 <= me < n:
         raise ConfigError(f"--process-id {me} must be in [0, --num-processes) = [0, {n})")
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

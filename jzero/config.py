@@ -60,7 +60,7 @@ from jzero.config_schema import (
     TrainConfig,
     yaml_key,
 )
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, one_line
 from jzero.imports import import_object
 
 __all__ = [
@@ -248,10 +248,15 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` quoted for an error line, cut to `limit` characters: a --set of 100 kB is named, not echoed."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
 def _apply_override(raw: dict, assignment: str) -> None:
     """Applies one `a.b=value` override (value parsed as YAML) to the raw dict."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r} must look like section.key=value")
+        raise ConfigError(f"--set {_shown(assignment)} must look like section.key=value")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
     node = raw
@@ -261,9 +266,10 @@ def _apply_override(raw: dict, assignment: str) -> None:
             raise ConfigError(f"--set {dotted}: {part} is not a section")
     try:
         node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or type(e).__name__  # str(e) spans several lines
-        raise ConfigError(f"--set {assignment!r}: the value {text!r} is not valid YAML ({problem})") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of over 4300 digits
+        problem = getattr(e, "problem", None) or one_line(e)  # str(e) spans several lines
+        shown = f"--set {_shown(assignment)}: the value {_shown(text)}"
+        raise ConfigError(f"{shown} is not valid YAML ({problem})") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -279,6 +285,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {path} is a directory, not a file")
         if not path.is_file():
             what = "is not a regular file (a FIFO, socket or device)" if path.exists() else "does not exist"
+            what = "is a symbolic link to nothing (a missing target, or a loop)" if path.is_symlink() else what
             raise ConfigError(f"config file {path} {what}")
         try:
             text = path.read_text(encoding="utf-8")
@@ -288,6 +295,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__})") from None
         try:
             raw = yaml.load(text, Loader=_UniqueKeys) or {}
+        except ValueError as e:  # an integer of over 4300 digits (Python's limit on int(str))
+            raise ConfigError(f"config file {path} is not valid YAML: {one_line(e)}") from None
         except yaml.YAMLError as e:  # str(e) spans several lines
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jzero.config_schema import (
@@ -67,6 +67,14 @@ INT32_COUNTS = (
     "precision.loss_scale_window",
     "precision.hysteresis",
 )
+# Seconds a run waits: JAX's distributed runtime takes them in int32 (2**31 and above: a TypeError there, after
+# the processes started), Python's waits up to `threading.TIMEOUT_MAX` (an OverflowError after the first save).
+TIMEOUTS = (
+    "distributed.timeout_s",
+    "distributed.heartbeat_timeout_s",
+    "distributed.step_timeout_s",
+    "checkpoint.timeout_s",
+)
 # `train.seed` seeds numpy's generators (non-negative) and `jax.random.key` (a C long): [0, 2**63).
 SEED_BOUND = 2**63
 # `train.host_devices`: XLA's CPU client makes every simulated device when JAX starts, in time and memory
@@ -77,11 +85,15 @@ MAX_HOST_DEVICES = 4096
 
 
 def _check_counts(cfg: Config) -> None:
-    """`INT32_COUNTS` below 2**31 and `train.seed` in [0, 2**63): larger fail in JAX as an OverflowError."""
+    """`INT32_COUNTS` below 2**31 and `train.seed` in [0, 2**63): larger fail in JAX as an OverflowError;
+    `TIMEOUTS` below 2**31 seconds."""
     for key in INT32_COUNTS:
         value = functools.reduce(getattr, key.split("."), cfg)
         if value >= 2**31:
             raise ConfigError(f"{key}={value} must be < 2**31 (a count the compiled step holds in int32)")
+    for key in TIMEOUTS:
+        if (value := functools.reduce(getattr, key.split("."), cfg)) >= 2**31:
+            raise ConfigError(f"{key}={value} must be < 2**31 seconds")
     if not 0 <= cfg.train.seed < SEED_BOUND:
         raise ConfigError(f"train.seed={cfg.train.seed} must be in [0, 2**63)")
 
@@ -161,6 +173,7 @@ def _check_optax(o: OptimizerConfig) -> list[tuple[str, float]]:
         raise ConfigError(
             "optimizer.optax.args.learning_rate: the learning rate is the run's schedule (optimizer.lr, warmup_steps)"
         )
+    _check_finite_args("optimizer.optax.args", x.args)
     fn, _ = optax_function(x.name)
     try:
         params = inspect.signature(fn).parameters
@@ -179,6 +192,18 @@ def _check_optax(o: OptimizerConfig) -> list[tuple[str, float]]:
         k: v for k, v in x.args.items() if k in ("b1", "b2")
     }
     return [(f"optax.args.{k}", v) for k, v in decays.items() if isinstance(v, int | float)]
+
+
+def _check_finite_args(key: str, value: Any) -> None:
+    """Every float in `value` (optax arguments: mappings, sequences and numbers, as YAML gives them) is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_finite_args(f"{key}.{k}", v)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_finite_args(f"{key}[{i}]", v)
 
 
 def _check_muon(cfg: Config) -> None:

@@ -67,7 +67,7 @@ def max_local() -> int:
 
 def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
     n = args.local[0] if args.local else ""
-    if not n.isdigit() or int(n) < 1:
+    if not (n.isascii() and n.isdigit()) or int(n) < 1:  # '²' is a digit int() refuses
         raise ConfigError(f"--local N needs a number of processes >= 1 first, got {n!r}")
     if int(n) > max_local():
         raise ConfigError(
@@ -76,7 +76,7 @@ def _cmd_launch(args, train: argparse.ArgumentParser, check_train) -> int:
         )
     train_args = args.local[1:]
     parsed = train.parse_args(train_args)  # a bad option: one line and exit 2, once
-    given = [name for name in _SET_BY_LAUNCH if getattr(parsed, name) not in (None, False)]
+    given = [name for name in _SET_BY_LAUNCH if (v := getattr(parsed, name)) is not None and v is not False]  # 0 too
     if given:
         raise ConfigError(
             f"jzero launch gives each process --coordinator, --num-processes and --process-id: "

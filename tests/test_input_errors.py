@@ -66,6 +66,49 @@ def test_bad_spike_guard_value(override, message, tmp_path, capsys):
     assert error_line(argv, capsys) == f"jzero: error: {message}"
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch", "--local", "\u00b2"], "--local N needs a number of processes >= 1 first, got '\u00b2'"),
+        (["launch", "--local", "2", "--process-id", "0"], "jzero launch gives each process --coordinator, "
+         "--num-processes and --process-id: drop --process-id"),  # 0 was taken for "not given"
+        (["train", "--set", "checkpoint.timeout_s=10000000000"], "checkpoint.timeout_s=10000000000 must be < 2**31 "
+         "seconds"),  # an OverflowError after the first save
+        (["train", "--set", "distributed.timeout_s=2147483648"], "distributed.timeout_s=2147483648 must be < 2**31 "
+         "seconds"),  # a TypeError in JAX's distributed runtime once the processes had started
+        (["train", "--set", "optimizer.name=optax", "--set", "optimizer.optax.name=lion", "--set",
+          "optimizer.optax.args={b1: 0.9, b2: [0.99, .nan]}"], "optimizer.optax.args.b2[1]=nan must be a finite "
+         "number"),  # trained until the grad norm was NaN
+    ],
+)  # fmt: skip
+def test_values_refused_before_anything_starts(argv, message, tmp_path, capsys):
+    if argv[0] == "train":
+        argv = [*argv[:1], "--out", str(tmp_path / "o"), *argv[1:]]
+    assert error_line(argv, capsys) == f"jzero: error: {message}"
+
+
+def test_a_fifo_a_symlink_loop_and_zero_processes_are_named_as_what_they_are(tmp_path, capsys):
+    """Before: "is a file", "does not exist", and "--process-id 0 must be in [0, 0)"."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    err = error_line(["ckpt", "info", str(tmp_path / "fifo")], capsys)
+    assert err.endswith("fifo is not a directory (a FIFO or device)")
+    err = error_line(["train", str(tmp_path / "loop")], capsys)
+    assert err.endswith("loop is a symbolic link to nothing (a missing target, or a loop)")
+    argv = ["train", "--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"]
+    assert error_line(argv, capsys) == "jzero: error: --num-processes 0 must be >= 1"
+
+
+def test_an_integer_of_5000_digits_is_one_line_and_named_short(tmp_path, capsys):
+    """Python refuses int() of over 4300 digits: a traceback from PyYAML's constructor, and the --set echoed whole."""
+    err = error_line(["train", "--out", str(tmp_path), "--set", f"model.d_model={'9' * 5000}"], capsys)
+    assert err.startswith("jzero: error: --set 'model.d_model=999") and "Exceeds the limit" in err and len(err) < 400
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  d_model: {'9' * 5000}\n")
+    err = error_line(["train", str(path), "--out", str(tmp_path / "o")], capsys)
+    assert err.startswith(f"jzero: error: config file {path} is not valid YAML: ValueError: Exceeds the limit"), err
+
+
 @pytest.mark.parametrize("value", ["[", "{a", "'"])
 def test_set_value_that_is_not_yaml(value, tmp_path, capsys):
     err = error_line(["train", "--out", str(tmp_path), "--set", f"train.steps={value}"], capsys)

@@ -132,7 +132,9 @@ def open_for_reading(directory: str | Path) -> Path:
     directory = Path(directory)
     resolved(directory, "checkpoint directory")  # a backslash in it, as it resolves, is refused
     if not directory.is_dir():
-        what = "is a file, not a directory" if directory.exists() else "does not exist"
+        what = "does not exist"
+        if directory.exists():
+            what = "is a file, not a directory" if directory.is_file() else "is not a directory (a FIFO or device)"
         raise CheckpointError(f"checkpoint directory {directory} {what}")
     if read_marker(directory) is None:
         raise CheckpointError(

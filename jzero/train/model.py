@@ -262,6 +262,7 @@ def chunked_cross_entropy(x, head, labels, chunk: int):
     (`jax.checkpoint` in a `lax.map`), so the [N, V] logits never exist at once. N is padded to whole chunks with
     masked-out rows."""
     n = x.shape[0]
+    chunk = min(chunk, n)  # a chunk above the tokens: one chunk of them all, not one padded to its size
     chunks = -(-n // chunk)
     pad = chunks * chunk - n
     xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(chunks, chunk, -1)

@@ -416,6 +416,17 @@ def test_chunked_loss_trains_like_plain_optax_in_a_zero_step():
     assert_matches_reference(tiny_config("optim_grads", (8, 1, 1), 1, model={"loss_chunk": 12}))
 
 
+def test_a_loss_chunk_above_the_tokens_is_one_chunk_of_them_all():
+    """model.loss_chunk of 10**8 on 16 tokens padded them to 10**8 rows: a 220 GB out-of-memory, "shard more"."""
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=4, d_ff=64, seq_len=16)
+    tokens = np.arange(2 * 17).reshape(2, 17) * 7 % 256
+    losses = {}
+    for chunk in (None, 10**8):
+        model = GPTModel(dataclasses.replace(cfg, loss_chunk=chunk))
+        losses[chunk] = float(jax.jit(model.loss)(jax.jit(model.init)(), tokens))
+    np.testing.assert_allclose(losses[10**8], losses[None], rtol=1e-6)
+
+
 def test_chunked_loss_is_the_loss_without_the_whole_logits():
     """model.loss_chunk: the loss and grads of the whole [B, T, V] logits to fp32 rounding (a chunk that does not
     divide the tokens is padded with masked rows), and the compiled step's temp memory is less than the whole

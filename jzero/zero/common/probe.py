@@ -334,11 +334,22 @@ def check_runs(inner: optax.GradientTransformation, plan: ShardingPlan, groups: 
     try:
         _trace_update(inner, abstract, values)
     except TypeError as e:
+        if not _a_call_mismatch(e):  # raised inside the update: an argument of the wrong type, most likely
+            raise ConfigError(
+                f"{transformation_name(inner)} fails when it steps the params ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160]}): check the arguments it was built with"
+            ) from None
         raise ConfigError(
             f"{transformation_name(inner)} cannot run in a ZeRO step, which calls update(grads, state, params"
             f"{', param_groups=...' if groups is not None else ''}) and nothing more ({str(e).splitlines()[0][:160]}); "
             "a transformation that needs the loss (value=) is not supported"
         ) from None
+
+
+def _a_call_mismatch(e: TypeError) -> bool:
+    """Whether `e` says a function was called with arguments it does not take (Python's wording for a call
+    that misses or adds an argument), not that an operation got a value of the wrong type."""
+    return any(words in str(e) for words in ("argument", "takes no", "takes from", "positional"))
 
 
 def check_not_lookahead(inner: optax.GradientTransformation, plan: ShardingPlan) -> None:

@@ -92,6 +92,14 @@ def test_groups_the_chain_never_reads_are_refused():
         check_groups_read(optax.chain(optax.scale_by_adam(), groups.add_decayed_weights(0.1)), PLAN, lr_only)
 
 
+def test_an_argument_of_the_wrong_type_is_named_as_such_not_as_the_steps_contract():
+    """adamw(b1="abc") (`optimizer.optax.args={b1: abc}`) failed inside its update with a TypeError, which the
+    message blamed on how a ZeRO step calls update."""
+    with pytest.raises(ConfigError, match=r"fails when it steps the params \(TypeError: unsupported operand.*\): "
+                       r"check the arguments it was built with$"):  # fmt: skip
+        check_runs(optax.adamw(1e-2, b1="abc"), PLAN, None)
+
+
 @pytest.mark.parametrize(
     "inner",
     [optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()), optax.polyak_sgd()],
