@@ -374,8 +374,9 @@ class CheckpointConfig:
     keep: int = 3  # keep the newest N checkpoints
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})  # save in the background
     # A save not finished this long after the run waits for it (the next save, the run's end: a stalled
-    # filesystem) stops the run with one line; 0 = wait without a bound. Multi-process runs are also
-    # bounded by distributed.step_timeout_s, which counts a save as part of its step.
+    # filesystem) stops the run with one line; 0 = wait without a bound. Also orbax's own bound on an async
+    # save's writes and barriers (its default: 1200 s). Multi-process runs are also bounded by
+    # distributed.step_timeout_s, which counts a save as part of its step.
     timeout_s: int = 1800
 
 

@@ -124,6 +124,8 @@ class Checkpointer:
                 step_name_format=ckpt_dir.StepNames(),
                 cleanup_tmp_directories=writer,  # a killed run's uncommitted step_*.orbax-checkpoint-tmp
                 todelete_subdir=ckpt_dir.DELETING if writer else None,  # dropped steps leave in one rename
+                # orbax's own bound on an async save's writes and barriers (1200 s by default), as this run's
+                async_options=ocp.AsyncOptions(timeout_secs=int(timeout_s) or UNBOUNDED_S),
             ),
             item_names=ITEMS,
         )
@@ -401,6 +403,7 @@ class Checkpointer:
 # `--resume-fallback` moves aside): a network filesystem's passing error (EIO, ESTALE, a timeout) is not damage.
 READ_ATTEMPTS, READ_RETRY_S = 2, 2.0
 PURGE_WAIT_S = 60.0  # how long a closing run waits for dropped steps to be deleted (`Checkpointer.close`)
+UNBOUNDED_S = 2**31 - 1  # timeout_s=0 to orbax, which takes a number of seconds: 68 years
 
 
 def _note(message: str) -> None:
