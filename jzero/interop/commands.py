@@ -10,12 +10,15 @@ runs, so the parser costs nothing.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
+from jzero.errors import CheckpointError
 from jzero.imports import default_platforms, quiet_cuda_stub
 from jzero.interop.megatron_format import TRACKER
+from jzero.paths import nearest_existing
 
 
 def add_parsers(ckpt_sub, with_config) -> None:
@@ -98,16 +101,24 @@ def _setup(args, bucket_size: int | None):
 
 
 def _cmd_import(args) -> int:
+    from jzero.interop.megatron_read import find, is_legacy
+
+    if args.bucket_size is not None and not is_legacy(source := find(args.megatron)):
+        raise ConfigError(
+            f"--bucket-size {args.bucket_size} is for the legacy format, whose files do not record their buckets; "
+            f"{source} is torch_dist, which does: drop --bucket-size"
+        )
+    _check_out_dir(Path(args.out))  # before the config, JAX and the read
     cfg, run, names, _ = _setup(args, args.bucket_size)
+    _refuse_jzero_steps(Path(args.out))  # before the read
     import jax
 
     from jzero.interop import megatron
-    from jzero.train.checkpoint import Checkpointer
 
     flat_names = [n for r in jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, megatron.Renamed)) for n in r.names]
     ck = megatron.read(args.megatron, bucket_size=args.bucket_size, names=flat_names)
     state = megatron.to_train_state(ck, run.zero, names)
-    ckpt = Checkpointer(args.out, run, async_save=False)
+    ckpt = _new_checkpoint(Path(args.out), run)
     failed = True
     try:
         ckpt.save(state, cfg)
@@ -125,6 +136,38 @@ def _cmd_import(args) -> int:
         f"--set checkpoint.dir={args.out} --resume   (train.steps={cfg.train.steps})"
     )
     return 0
+
+
+def _check_out_dir(out: Path) -> None:
+    """OUT_DIR a directory jzero can make (or has) and write in, as `jzero train --out` checks its own."""
+    existing, what = nearest_existing(out)
+    if what is not None:
+        raise ConfigError(f"OUT_DIR {out} is {what}" if existing == out else f"OUT_DIR {out}: {existing} is {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"OUT_DIR {out}: directory {existing} is not writable")
+
+
+def _refuse_jzero_steps(out: Path) -> None:
+    """OUT_DIR a jzero checkpoint directory with steps: refused as the import's own (`ckpt_dir.claim` would
+    refuse it too, but in `jzero train`'s words: continue it with --resume)."""
+    from jzero.train import ckpt_dir
+
+    if out.is_dir() and ckpt_dir.read_marker(out) is not None and (saved := ckpt_dir.steps(out)):
+        raise CheckpointError(
+            f"OUT_DIR {out} is a jzero checkpoint directory holding steps {ckpt_dir.span(saved)}: an import "
+            "writes a new one; give a new or empty OUT_DIR"
+        )
+
+
+def _new_checkpoint(out: Path, run):
+    """A Checkpointer that writes the import into OUT_DIR, a new checkpoint directory: `ckpt_dir.claim`'s refusals,
+    which speak of `jzero train`'s checkpoint.dir, said of OUT_DIR."""
+    from jzero.train.checkpoint import Checkpointer
+
+    try:
+        return Checkpointer(out, run, async_save=False)
+    except CheckpointError as e:
+        raise CheckpointError(str(e).replace("checkpoint.dir", "OUT_DIR")) from None
 
 
 def _hyperparameter_notes(ck, cfg: Config) -> list[str]:
@@ -253,15 +296,15 @@ def megatron_args(cfg: Config, parallel: tuple[int, int, int]) -> dict:
 
 def _cmd_export(args) -> int:
     parallel = _export_parallel(args)
-    _refuse_to_overwrite(Path(args.out), args.step)  # before the config, JAX and the restore
+    _check_out_dir(Path(args.out))  # these two before the config, JAX and the restore
+    _refuse_to_overwrite(Path(args.out), args.step)
     cfg, run, names, order = _setup(args, args.bucket_size)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
-    from jzero.train.resume import restore_latest
 
     reader = Checkpointer(args.dir, run, writer=False)
     try:
-        state, step = (reader.restore(args.step), args.step) if args.step is not None else restore_latest(reader)
+        state, step = _restore(reader, args.step)
     finally:
         reader.close()
     _refuse_to_overwrite_iteration(Path(args.out), step)  # the newest step's: known only now
@@ -289,6 +332,24 @@ def _cmd_export(args) -> int:
     if cfg.model.mlp == MlpKind.GELU:
         print(TANH_GELU_NOTE, file=sys.stderr)
     return 0
+
+
+def _restore(reader, step: int | None):
+    """(state, step) of `step`, or of the newest step: a damaged one is refused naming the other steps
+    `--step` exports (an export only reads the checkpoint directory: it never moves a step aside)."""
+    from jzero.train import ckpt_dir
+    from jzero.train.ckpt_step import DamagedStep
+
+    steps = reader.steps()
+    if step is None and not steps:
+        raise CheckpointError(f"no complete checkpoint in {reader.directory}")
+    step = steps[-1] if step is None else step  # one that is not there: `restore` names those that are
+    try:
+        return reader.restore(step), step
+    except DamagedStep as e:
+        others = [s for s in steps if s != step]
+        hint = f"; export another of its steps with --step N ({ckpt_dir.span(others)})" if others else ""
+        raise CheckpointError(f"{e}{hint}") from None
 
 
 def _refuse_to_overwrite(out: Path, step: int | None) -> None:

@@ -153,6 +153,12 @@ def read(path: str | Path, *, bucket_size: int | None = None, names: Sequence[st
     return _read_torch_dist(directory, names)
 
 
+def is_legacy(directory: Path) -> bool:
+    """Whether `find`'s `directory` holds the legacy format (one rank's files, or its mp_rank_* folders), not
+    torch_dist."""
+    return (directory / MODEL_FILE).is_file() or bool(_mp_ranks(directory))
+
+
 # ---------------------------------------------------------------- the legacy format
 
 
@@ -486,7 +492,7 @@ def _sharding_type(common: dict, what: str) -> str:
 def _read_torch_dist(directory: Path, names: Sequence[str] | None) -> MegatronCheckpoint:
     td = TorchDist(directory)
     what = str(directory)
-    common = td.common if isinstance(td.common, dict) else {}
+    common = td.common
     kind = _sharding_type(common, what)
     model_keys = [k for k in td.keys if not k.startswith(("optimizer.", "chained_")) and td.is_tensor(k)]
     model = _unstack(td, model_keys, "", names, what)

@@ -39,6 +39,7 @@ _DCP_CLASSES = {
 }  # fmt: skip
 METADATA_FILE = ".metadata"
 MARKER_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
 
 
 class _Record:
@@ -63,6 +64,22 @@ class _Record:
 
 def _dcp_globals() -> dict[tuple[str, str], type]:
     return {(m, n): type(n, (_Record,), {}) for m, names in _DCP_CLASSES.items() for n in names}
+
+
+def _common(path: Path) -> dict:
+    """common.pt: Megatron writes it with every torch_dist checkpoint, and only it says how the optimizer state
+    is sharded, so a checkpoint without it is refused by that name, not read as one without an optimizer."""
+    if not path.exists():
+        raise InteropError(
+            f"{path} does not exist: a torch_dist checkpoint keeps its iteration, scheduler and optimizer sharding "
+            "type there (Megatron writes it with the checkpoint)"
+        )
+    if not_a_file(path):  # a FIFO would block the read forever
+        raise InteropError(f"{path} is not a regular file")
+    common = torch_format.load(path)
+    if not isinstance(common, dict):
+        raise InteropError(f"{path} holds a {type(common).__name__}, not Megatron's dict of the common state")
+    return common
 
 
 def is_torch_dist(directory: Path) -> bool:
@@ -107,8 +124,7 @@ class TorchDist:
             if getattr(info, "transform_descriptors", None):
                 raise InteropError(f"{path}: {fqn} is stored transformed (compressed?), which jzero does not read")
             self._where[fqn, None if offset is None else tuple(offset)] = info
-        common = directory / "common.pt"
-        self.common = torch_format.load(common) if common.is_file() else {}
+        self.common = _common(directory / COMMON_FILE)
 
     @property
     def keys(self) -> list[str]:
@@ -256,6 +272,6 @@ def write(
         "state_dict_metadata": entries, "planner_data": None, "storage_data": storage_data,
         "storage_meta": _dcp("StorageMeta", meta), "version": "1.0.0",
     })  # fmt: skip
-    torch_format.save(common, directory / "common.pt")
+    torch_format.save(common, directory / COMMON_FILE)
     (directory / MARKER_FILE).write_text(json.dumps(marker))
     (directory / METADATA_FILE).write_bytes(torch_format.pickled(metadata))

@@ -211,7 +211,7 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
         if saved and not resume:
             last = (marker["runs"] or [{"started": "?", "host": "?"}])[-1]
             raise CheckpointError(
-                f"checkpoint.dir {directory} holds steps {_span(saved)} of an earlier run (last started "
+                f"checkpoint.dir {directory} holds steps {span(saved)} of an earlier run (last started "
                 f"{last['started']} on {last['host']}): continue it with --resume (without a DIR, or with "
                 "this one), or use a new checkpoint.dir"
             )
@@ -286,7 +286,8 @@ def _write_atomic(path: Path, text: str) -> None:
         raise CheckpointError(f"checkpoint.dir {path.parent} is not writable: {e.strerror or e}") from None
 
 
-def _span(saved: list[int]) -> str:
+def span(saved: list[int]) -> str:
+    """Step numbers for a message: all of up to four, else the first and the last."""
     return ", ".join(map(str, saved)) if len(saved) <= 4 else f"{saved[0]}, ..., {saved[-1]}"
 
 

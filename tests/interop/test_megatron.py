@@ -455,6 +455,26 @@ def test_an_export_leaves_only_the_checkpoint(ckpt_format, tmp_path):
         _write_tiny(tmp_path, ckpt_format)
 
 
+def test_a_torch_dist_checkpoint_without_common_pt_is_refused_by_name(tmp_path):
+    """common.pt says how the optimizer state is sharded: without it the read named the sharding type None (as
+    though the checkpoint had no optimizer), not the missing file; a common.pt that is no dict is refused too."""
+    from jzero.interop import torch_format
+
+    folder = _write_tiny(tmp_path, "torch_dist")
+    common = folder / "common.pt"
+    kept = torch_format.load(common)
+    common.unlink()
+    with pytest.raises(InteropError) as info:
+        megatron.read(tmp_path)
+    assert str(info.value) == (
+        f"{common} does not exist: a torch_dist checkpoint keeps its iteration, scheduler and optimizer sharding "
+        "type there (Megatron writes it with the checkpoint)"
+    )
+    torch_format.save([kept], common)
+    with pytest.raises(InteropError, match="holds a list, not Megatron's dict of the common state"):
+        megatron.read(tmp_path)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_run_moves_exactly(fmt, tmp_path):
     """Megatron's bf16 run (bf16 params, fp32 main params and grads, buffer key (bf16, fp32)) into jzero's

@@ -253,6 +253,96 @@ def test_export_refuses_to_overwrite_before_restoring(existing, flags, refusal, 
     assert existing != megatron.TRACKER or (out / existing).read_text() == "100"
 
 
+@pytest.mark.parametrize("command", ["import-megatron", "export-megatron"])
+@pytest.mark.parametrize("under", [False, True])
+def test_an_out_dir_that_cannot_be_a_directory_is_refused_up_front(command, under, tmp_path, capsys, monkeypatch):
+    """OUT_DIR a file, or under one: one line naming OUT_DIR, before the config, JAX and the read (an export's
+    was FileExistsError or NotADirectoryError once the checkpoint was restored; an import's spoke of
+    checkpoint.dir)."""
+    from jzero.interop import commands
+
+    (tmp_path / "file").write_text("mine")
+    out = tmp_path / "file" / "sub" if under else tmp_path / "file"
+    monkeypatch.setattr(commands, "_setup", lambda *a: pytest.fail("set up before refusing"))
+    source = GPT / "llama" / "ckpt_legacy" if command == "import-megatron" else tmp_path / "nothing"
+    assert main(["ckpt", command, str(source), str(out), str(_yaml(tmp_path, LLAMA))]) == 2
+    what = f"OUT_DIR {out}: {tmp_path / 'file'}" if under else f"OUT_DIR {out}"
+    assert capsys.readouterr().err == f"jzero: error: {what} is a file, not a directory\n"
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_import_refuses_bucket_size_for_torch_dist(tmp_path, capsys, monkeypatch):
+    """--bucket-size is for the legacy format (its help says so): a torch_dist checkpoint records its buckets,
+    and the flag was silently ignored there. Refused in one line, before the config and JAX; with the legacy
+    format it goes on to the setup."""
+    from jzero.config import ConfigError
+    from jzero.interop import commands
+
+    def setup(*a):
+        raise ConfigError("set up")
+
+    monkeypatch.setattr(commands, "_setup", setup)
+    config = str(_yaml(tmp_path, LLAMA))
+    argv = ["ckpt", "import-megatron", str(GPT / "llama" / "ckpt_torch_dist"), str(tmp_path / "j"), config]
+    assert main([*argv, "--bucket-size", "100"]) == 2
+    assert capsys.readouterr().err == (
+        "jzero: error: --bucket-size 100 is for the legacy format, whose files do not record their buckets; "
+        f"{GPT / 'llama' / 'ckpt_torch_dist'} is torch_dist, which does: drop --bucket-size\n"
+    )
+    argv[2] = str(GPT / "llama" / "ckpt_legacy")
+    assert main([*argv, "--bucket-size", "100"]) == 2
+    assert capsys.readouterr().err == "jzero: error: set up\n"
+    assert not (tmp_path / "j").exists()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> tuple[Path, Path]:
+    """(a jzero checkpoint directory holding step 2, imported from Megatron's LLaMA-style legacy files; its config)."""
+    root = tmp_path_factory.mktemp("imported")
+    config = _yaml(root, LLAMA)
+    argv = ["ckpt", "import-megatron", str(GPT / "llama" / "ckpt_legacy"), str(root / "j"), str(config)]
+    assert main(argv) == 0
+    return root / "j", config
+
+
+def test_import_into_a_taken_directory_speaks_of_out_dir(imported, tmp_path, capsys):
+    """Into a jzero checkpoint directory with steps, or a directory jzero did not make: one line naming OUT_DIR,
+    the import's own argument (before: `jzero train`'s checkpoint.dir and --resume, which it has not)."""
+    j, config = imported
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    for out, says in (
+        (j, f"OUT_DIR {j} is a jzero checkpoint directory holding steps 2: an import writes a new one; give a new "
+            "or empty OUT_DIR"),
+        (foreign, f"OUT_DIR {foreign} is not empty (1 entries: notes.txt)"),
+    ):  # fmt: skip
+        before = sorted(p.name for p in out.iterdir())
+        assert main(["ckpt", "import-megatron", str(GPT / "llama" / "ckpt_legacy"), str(out), str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jzero: error: {says}") and err.count("\n") == 1, err
+        assert "checkpoint.dir" not in err and "--resume" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_export_of_a_damaged_newest_step_names_step(imported, tmp_path, capsys):
+    """A damaged newest step: the export's own --step and the steps it could take (before: train's
+    --resume-fallback, which export has not)."""
+    import shutil
+
+    j, config = imported
+    ck = tmp_path / "ck"
+    shutil.copytree(j, ck, ignore=shutil.ignore_patterns("jzero.lock"))
+    shutil.copytree(ck / "step_00000002", ck / "step_00000001")
+    meta = ck / "step_00000002" / "meta" / "metadata"
+    meta.write_text(meta.read_text()[:20])
+    assert main(["ckpt", "export-megatron", str(ck), str(tmp_path / "m"), str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jzero: error: checkpoint step 2 in {ck}") and err.count("\n") == 1, err
+    assert err.endswith("; export another of its steps with --step N (1)\n") and "--resume" not in err, err
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_fifo_as_the_names_file_is_refused_not_read(tmp_path, capsys):
     """Reading a named pipe blocks until something writes to it: forever."""
     os.mkfifo(tmp_path / "names.fifo")
