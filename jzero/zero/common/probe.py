@@ -46,10 +46,6 @@ from jzero.zero.common.update import inner_update
 
 PyTree = Any
 TOLERANCE = 1e-6  # relative; element-wise transformations agree to rounding (adamw: 1e-9)
-# ...or differ by less than one float32 rounding of the params the update is added to: schedule-free AdamW's
-# update is the difference of two interpolations of the params, so their last bit's rounding, the same on a
-# slice as whole but for the order XLA fuses in, is 6e-6 of the update (optax.contrib.schedule_free_adamw).
-ROUNDING = float(np.finfo(np.float32).eps)
 MINIATURE_ELEMENTS = 64
 LARGE_GRADS = 1e8
 PROBE_STEPS = 4
@@ -143,29 +139,18 @@ def _primitives(jaxpr: Jaxpr, detail: bool = False) -> collections.Counter:
     return count
 
 
-def _step_error(a: jax.Array, b: jax.Array, floor: np.ndarray | None = None) -> float:
+def _step_error(a: jax.Array, b: jax.Array) -> float:
     """The largest over steps ([steps, ...]) of |a - b| / |b|, a NaN or inf in one where the other has
-    none counting as infinite; with `floor` (per step), |a - b| up to it is no error (`_rounding_floor`)."""
+    none counting as infinite."""
     a, b = np.asarray(a, np.float64).reshape(len(a), -1), np.asarray(b, np.float64).reshape(len(b), -1)
-    floor = np.zeros(len(b)) if floor is None else floor
     worst = 0.0
-    for x, y, f in zip(a, b, floor):
+    for x, y in zip(a, b):
         odd = ~np.isfinite(y)
         if not np.array_equal(odd, ~np.isfinite(x)) or not np.array_equal(x[odd], y[odd], equal_nan=True):
             return math.inf
         x, y = x[~odd], y[~odd]
-        worst = max(worst, float(np.linalg.norm(x - y) / (np.linalg.norm(y) + f / TOLERANCE + 1e-30)))
+        worst = max(worst, float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-30)))
     return worst
-
-
-def _rounding_floor(param: jax.Array, updates: jax.Array) -> np.ndarray:
-    """Per step ([steps, ...] `updates` of `param`), ROUNDING x |the param| the step's update is added to
-    (its finite elements): a difference in the update below it is lost in the param's rounding."""
-    p, floor = np.asarray(param, np.float32).reshape(-1), []
-    for u in np.asarray(updates, np.float32).reshape(len(updates), -1):
-        floor.append(ROUNDING * float(np.linalg.norm(p[np.isfinite(p)].astype(np.float64))))
-        p = p + u
-    return np.asarray(floor)
 
 
 def _multi_steps(inner, plan: ShardingPlan) -> bool:
@@ -288,8 +273,7 @@ def check_elementwise(inner: optax.GradientTransformation, plan: ShardingPlan, g
             f"{str(e).splitlines()[0][:160]}). {use}"
         ) from None
     names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.tensors)[0]]
-    floors = [_rounding_floor(p, u) for p, u in zip(jax.tree.leaves(params), reference)]
-    errors = {n: _step_error(a, b, f) for n, a, b, f in zip(names, flat, reference, floors)}
+    errors = {n: _step_error(a, b) for n, a, b in zip(names, flat, reference)}
     worst = max(errors, key=errors.get, default=None)
     if worst is not None and errors[worst] > TOLERANCE:
         how = "in which elements are finite" if math.isinf(errors[worst]) else f"by {errors[worst]:.1e} (relative)"
