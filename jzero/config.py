@@ -236,9 +236,11 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             first = {}
-            for key_node, _ in node.value:
+            for key_node, _ in node.value:  # the mapping's own keys: a merge (`<<: *defaults`) may be overridden
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=True)
-                if key_node.tag != "tag:yaml.org,2002:merge" and isinstance(key, str | int | float | bool):
+                if isinstance(key, str | int | float | bool) or key is None:
                     if key in first:
                         raise yaml.constructor.ConstructorError(
                             None, None, f"key {key!r} appears twice (first at line {first[key] + 1})",
@@ -265,7 +267,7 @@ def _apply_override(raw: dict, assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {part} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        node[parts[-1]] = yaml.load(text, Loader=_UniqueKeys) if text.strip() else None
     except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of over 4300 digits
         problem = getattr(e, "problem", None) or one_line(e)  # str(e) spans several lines
         shown = f"--set {_shown(assignment)}: the value {_shown(text)}"

@@ -92,7 +92,7 @@ def test_a_fifo_a_symlink_loop_and_zero_processes_are_named_as_what_they_are(tmp
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     err = error_line(["ckpt", "info", str(tmp_path / "fifo")], capsys)
-    assert err.endswith("fifo is not a directory (a FIFO or device)")
+    assert err.endswith("fifo is not a directory (a FIFO, socket or device)")
     err = error_line(["train", str(tmp_path / "loop")], capsys)
     assert err.endswith("loop is a symbolic link to nothing (a missing target, or a loop)")
     argv = ["train", "--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"]
@@ -226,6 +226,18 @@ def test_config_file_that_names_a_key_twice(tmp_path, capsys):
     err = error_line(["train", str(path)], capsys)
     assert err == (f"jzero: error: config file {path} is not valid YAML at line 4, column 3: "
                    "key 'keep' appears twice (first at line 2)")  # fmt: skip
+
+
+def test_a_merge_may_override_a_key_and_a_set_may_not_name_one_twice(tmp_path, capsys):
+    """A YAML merge (`<<: {...}` or `<<: *defaults`) overridden by the mapping's own key is no key named twice
+    (the first check of duplicates refused every merge); a --set's flow mapping naming one twice is."""
+    from jzero.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  <<: {every: 50, keep: 2}\n  every: 5\n")
+    assert (load_config(path).checkpoint.every, load_config(path).checkpoint.keep) == (5, 2)
+    argv = ["train", "--out", str(tmp_path / "o"), "--set", "optimizer.optax.args={b1: 0.9, b1: 0.8}"]
+    assert "key 'b1' appears twice" in error_line(argv, capsys)
 
 
 @pytest.mark.parametrize("name", ["c.yaml", "conf"])

@@ -34,6 +34,7 @@ import enum
 import functools
 import hashlib
 import json
+import math
 import sys
 import threading
 import time
@@ -87,8 +88,9 @@ class Checkpointer:
 
     writer=True claims `directory` for this run (`ckpt_dir.claim`: refuses a directory that is
     not jzero's, or holds another run's steps unless `resume`, or is locked by a live run) and
-    keeps the newest `keep` steps; writer=False only reads a jzero checkpoint directory. A save is
-    waited for at most `timeout_s` seconds (0: without a bound; `_within_timeout`).
+    keeps the newest `keep` steps; writer=False only reads a jzero checkpoint directory. The wait for a
+    save's files (`check_saved`, a synchronous save) lasts at most `timeout_s` seconds (0: without a bound;
+    `_within_timeout`), also orbax's own bound on an async save.
     """
 
     def __init__(
@@ -125,12 +127,13 @@ class Checkpointer:
                 cleanup_tmp_directories=writer,  # a killed run's uncommitted step_*.orbax-checkpoint-tmp
                 todelete_subdir=ckpt_dir.DELETING if writer else None,  # dropped steps leave in one rename
                 # orbax's own bound on an async save's writes and barriers (1200 s by default), as this run's
-                async_options=ocp.AsyncOptions(timeout_secs=int(timeout_s) or UNBOUNDED_S),
+                async_options=ocp.AsyncOptions(timeout_secs=math.ceil(timeout_s) or UNBOUNDED_S),
             ),
             item_names=ITEMS,
         )
         self._saving: int | None = None  # the step of the save in flight
         self._stalled = False  # a save that did not finish within timeout_s: orbax's threads still wait on it
+        self._seen: BaseException | None = None  # orbax's error of a failed save, reported already
         self._purge: threading.Thread | None = None  # deleting the steps `keep` dropped (`_purge_dropped`)
         zero = run.zero
         self._to_model = jax.jit(zero.to_model_space, out_shardings=zero.model_opt_shardings)
@@ -230,7 +233,7 @@ class Checkpointer:
             except Exception as e:
                 raise self._save_failed(step, e) from None
         else:  # the files are written here
-            self._within_timeout(step, save)
+            self._everywhere(lambda: self._within_timeout(step, save))
             self._purge_dropped()
 
     def _within_timeout(self, step: int, write) -> None:
@@ -255,6 +258,7 @@ class Checkpointer:
                 f"{self.timeout_s:g} s (a stalled filesystem?); the steps saved before it are intact"
             )
         if failure:
+            self._seen = failure[0]  # orbax raises it again in each thread that waits (`close`)
             raise self._save_failed(step, failure[0]) from None
 
     def _save_failed(self, step: int, e: Exception) -> RunError:
@@ -273,8 +277,20 @@ class Checkpointer:
         if self._saving is None:
             return
         step, self._saving = self._saving, None
-        self._within_timeout(step, self.manager.wait_until_finished)
+        self._everywhere(lambda: self._within_timeout(step, self.manager.wait_until_finished))
         self._purge_dropped()
+
+    @staticmethod
+    def _everywhere(wait) -> None:
+        """`wait()`, its RunError (a process's save that failed or stalled) raised on every process, so that none
+        goes on to the next step's collectives without the others."""
+        failure = None
+        try:
+            wait()
+        except RunError as e:
+            failure = str(e)
+        if (failure := multihost.first_failure(failure)) is not None:
+            raise RunError(failure)
 
     def _purge_dropped(self) -> None:
         """Deletes, on process 0 and beside the steps that follow, the steps `keep` dropped: orbax renamed
@@ -295,20 +311,34 @@ class Checkpointer:
     def meta(self, step: int) -> dict:
         return read_meta(self.directory, step, self.manager)
 
+    def _read_meta(self, step: int) -> dict:
+        """`meta(step)`, read again after a failure (`READ_ATTEMPTS`), every process hearing the same verdict;
+        DamagedStep if it stays unreadable."""
+        for attempt in range(READ_ATTEMPTS):
+            meta, failure = None, None
+            try:
+                meta = self.meta(step)
+            except CheckpointError as e:
+                failure = str(e)
+            failure = multihost.first_failure(failure)
+            if failure is None:
+                return meta
+            if attempt == READ_ATTEMPTS - 1:
+                raise DamagedStep(failure)
+            time.sleep(READ_RETRY_S)
+
     def restore(self, step: int) -> TrainState:
         """Restores `step` straight into this run's shardings (no array is gathered whole).
 
-        Raises DamagedStep if its files are unreadable (`READ_ATTEMPTS` times) or an array differs from its fingerprint,
+        Raises DamagedStep if its meta or arrays are unreadable (`READ_ATTEMPTS` times each) or an array differs
+        from its fingerprint,
         CheckpointError if it does not fit the model, or there is no complete step `step`.
         """
         steps = self.steps()
         if step not in steps:
             have = f"its steps are {', '.join(map(str, steps))}" if steps else "it holds no complete step"
             raise CheckpointError(f"no checkpoint step {step} in {self.directory}: {have}")
-        try:
-            meta = self.meta(step)
-        except CheckpointError as e:
-            raise DamagedStep(str(e)) from None
+        meta = self._read_meta(step)
         target, bridge = self._bridged_target(meta)
         if not any(name.startswith("model_state/") for name in meta["arrays"]):
             target.pop("model_state", None)  # saved before the model kept state: it starts from its initial one
@@ -386,13 +416,24 @@ class Checkpointer:
         return {**target, "spike": theirs}, False
 
     def close(self, check: bool = True) -> None:
-        """Waits for the save in flight (RunError if it failed and `check`), releases the directory."""
+        """Waits for the save in flight, at most `timeout_s` (RunError if it failed and `check`; without `check`,
+        the run's own failure being reported, on this process alone and quietly), releases the directory."""
         try:
             if check:
                 self.check_saved()
+            elif self._saving is not None:
+                step, self._saving = self._saving, None
+                try:
+                    self._within_timeout(step, self.manager.wait_until_finished)
+                except RunError:
+                    pass
             if not self._stalled:  # orbax's close would wait for the stalled save, without a bound
-                self.manager.close()
-            if self._purge is not None:  # bounded: what a kill or the bound leaves, the next run deletes
+                try:
+                    self.manager.close()
+                except Exception as e:
+                    if e is not self._seen:
+                        raise
+            if self._purge is not None:  # briefly: what is left, the next run that writes here deletes
                 self._purge.join(timeout=PURGE_WAIT_S)
         finally:
             if self._claim is not None:
@@ -402,7 +443,9 @@ class Checkpointer:
 # A step whose arrays fail to read is read again, all of it, before it counts as damaged (what
 # `--resume-fallback` moves aside): a network filesystem's passing error (EIO, ESTALE, a timeout) is not damage.
 READ_ATTEMPTS, READ_RETRY_S = 2, 2.0
-PURGE_WAIT_S = 60.0  # how long a closing run waits for dropped steps to be deleted (`Checkpointer.close`)
+# How long a closing run waits for dropped steps to be deleted (`Checkpointer.close`): briefly, as a
+# multi-process run's other processes wait for process 0 to finish (distributed.timeout_s).
+PURGE_WAIT_S = 5.0
 UNBOUNDED_S = 2**31 - 1  # timeout_s=0 to orbax, which takes a number of seconds: 68 years
 
 

@@ -134,7 +134,8 @@ def open_for_reading(directory: str | Path) -> Path:
     if not directory.is_dir():
         what = "does not exist"
         if directory.exists():
-            what = "is a file, not a directory" if directory.is_file() else "is not a directory (a FIFO or device)"
+            special = "is not a directory (a FIFO, socket or device)"
+            what = "is a file, not a directory" if directory.is_file() else special
         raise CheckpointError(f"checkpoint directory {directory} {what}")
     if read_marker(directory) is None:
         raise CheckpointError(
@@ -206,6 +207,12 @@ def claim(directory: str | Path, config_sha256: str, resume: bool) -> Claim:
             )
     lock_file = _lock(directory)
     try:
+        trash = directory / DELETING
+        if trash.is_symlink() or (trash.exists() and not trash.is_dir()):  # orbax would move steps through it
+            raise CheckpointError(
+                f"checkpoint.dir {directory}: {DELETING} is not a folder (a symlink or a file; jzero makes a "
+                "folder there for the steps checkpoint.keep drops): remove it"
+            )
         marker = read_marker(directory)  # again, held: a run that held the lock meanwhile may have written it
         saved = steps(directory) if marker is not None else []
         if saved and not resume:
@@ -240,9 +247,11 @@ def move_aside(directory: Path, step: int) -> Path:
 def purge_deleting(directory: Path) -> None:
     """Deletes the steps in `directory`'s `deleting/` (module docstring): only folders named as steps, never
     through a symlink; one that cannot be deleted now (permissions, a busy file) stays for a later purge."""
+    if (directory / DELETING).is_symlink():  # `claim` refuses it; a purge never follows one
+        return
     try:
         entries = list(os.scandir(directory / DELETING))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # none yet, or unreadable now: best effort, the next purge tries again
         return
     for entry in entries:
         if entry.is_dir(follow_symlinks=False) and re.fullmatch(r"step_\d{8,}", entry.name):

@@ -120,7 +120,11 @@ def read_meta(directory: str | Path, step: int, manager: ocp.CheckpointManager |
     folder = Path(directory) / ckpt_dir.StepNames().build_name(step)
 
     def no_special_file():
-        if (special := first_special(folder, recursive=True)) is not None:
+        try:
+            special = first_special(folder, recursive=True)
+        except OSError as e:  # gone (renamed by another run's keep) or unreadable: said on every process
+            raise CheckpointError(f"checkpoint step {step} in {directory}: unreadable ({one_line(e)})") from None
+        if special is not None:
             raise CheckpointError(
                 f"checkpoint step {step} in {directory}: unreadable ({special} is not a regular file: a FIFO or "
                 "device would block the read)"

@@ -374,10 +374,11 @@ def test_a_first_claim_that_failed_leaves_nothing_that_refuses_the_next(tmp_path
     assert ckpt_dir.read_marker(ck) is not None
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_a_save_that_never_ends_stops_the_run_within_checkpoint_timeout(async_save, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_save, failed_run", [(True, False), (False, False), (True, True)])
+def test_a_save_that_never_ends_stops_the_run_within_checkpoint_timeout(async_save, failed_run, tmp_path, monkeypatch):
     """A stalled filesystem (a save's write that never returns) is a one-line RunError after
-    `checkpoint.timeout_s`, and closing the Checkpointer does not wait for the save again (orbax's close would)."""
+    `checkpoint.timeout_s`, and closing the Checkpointer does not wait for the save again (orbax's close would);
+    nor does a run that failed otherwise (a NaN) with that save in flight: its close waits as long, quietly."""
     from helpers import tiny_config
     from jzero.errors import RunError
     from jzero.train.checkpoint import Checkpointer
@@ -400,7 +401,8 @@ def test_a_save_that_never_ends_stops_the_run_within_checkpoint_timeout(async_sa
     def save_and_close():
         try:
             ck.save(run.init_state(), run.cfg)
-            ck.check_saved()
+            if not failed_run:
+                ck.check_saved()
         except RunError as e:
             raised.append(str(e))
         ck.close(check=False)
@@ -408,7 +410,10 @@ def test_a_save_that_never_ends_stops_the_run_within_checkpoint_timeout(async_sa
     start = time.monotonic()
     bounded(save_and_close, seconds=60)
     assert time.monotonic() - start < 30
-    assert len(raised) == 1 and "not written to" in raised[0] and "checkpoint.timeout_s=1 s" in raised[0], raised
+    if failed_run:  # the run's own failure is its report
+        assert raised == []
+    else:
+        assert len(raised) == 1 and "not written to" in raised[0] and "checkpoint.timeout_s=1 s" in raised[0], raised
     stall.set()  # the write goes on and ends: nothing of the test is left running
 
 
@@ -570,6 +575,40 @@ def test_a_read_error_that_passes_is_not_damage_the_fallback_moves_aside(base, c
     assert main(argv) == 0
     assert failed == [STEPS] and f"resuming from checkpoint step {STEPS}" in capsys.readouterr().out
     assert not (ck / ckpt_dir.DAMAGED).exists()
+
+
+def test_a_meta_read_error_that_passes_is_not_damage_either(base, capsys, tmp_path, monkeypatch):
+    from jzero.train import checkpoint
+
+    root, _ = base
+    ck = tmp_path / "ck"
+    shutil.copytree(root / "ck", ck)
+    real, failed = checkpoint.read_meta, []
+
+    def once(directory, step, manager=None):
+        if not failed:
+            failed.append(step)
+            raise CheckpointError(f"checkpoint step {step} in {directory}: metadata unreadable (OSError: EIO)")
+        return real(directory, step, manager)
+
+    monkeypatch.setattr(checkpoint, "read_meta", once)
+    argv = ["train", "--out", str(tmp_path / "o"), *TINY, *sets(train__steps=8, checkpoint__dir=ck), "--resume",
+            "--resume-fallback"]  # fmt: skip
+    assert main(argv) == 0
+    assert failed == [STEPS] and not (ck / ckpt_dir.DAMAGED).exists()
+
+
+def test_a_deleting_folder_that_is_a_link_is_refused_never_followed(tmp_path):
+    """orbax renames the steps `keep` drops into `deleting/`: through a symlink they would land, and be deleted,
+    in the folder it points at."""
+    ck, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    ckpt_dir.claim(ck, "sha", resume=False).release()
+    (elsewhere / "step_00000001").mkdir(parents=True)
+    (ck / ckpt_dir.DELETING).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=r"deleting is not a folder \(a symlink or a file"):
+        ckpt_dir.claim(ck, "sha", resume=False)
+    ckpt_dir.purge_deleting(ck)
+    assert (elsewhere / "step_00000001").is_dir()
 
 
 def test_a_step_whose_meta_is_another_tools_format_is_never_counted(base, tmp_path):
