@@ -440,7 +440,7 @@ class Checkpointer:
                 self._claim.release()
 
 
-# A step whose arrays fail to read is read again, all of it, before it counts as damaged (what
+# A step whose meta or arrays fail to read is read again before it counts as damaged (what
 # `--resume-fallback` moves aside): a network filesystem's passing error (EIO, ESTALE, a timeout) is not damage.
 READ_ATTEMPTS, READ_RETRY_S = 2, 2.0
 # How long a closing run waits for dropped steps to be deleted (`Checkpointer.close`): briefly, as a
