@@ -68,6 +68,15 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+@pytest.fixture(autouse=True)
+def _no_pause_before_a_checkpoint_read_is_retried(monkeypatch):
+    """The pause before a failed checkpoint read is tried again (2 s, for a network filesystem's passing error)
+    is not under test: each damaged-step test would wait it out (`jzero.train.checkpoint.READ_RETRY_S`)."""
+    from jzero.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "READ_RETRY_S", 0.0)
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--thorough",
