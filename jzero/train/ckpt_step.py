@@ -172,9 +172,9 @@ def check_fits(step: int, directory: Path, meta: dict, target: dict) -> None:
         bad = [f"{n}: checkpoint {have[n][0] if n in have else 'missing'} vs model "
                f"{want[n][0] if n in want else 'absent'}" for n in misfit]  # fmt: skip
         hint = ""
-        if all(n.startswith("main_params/") and (n in want) != (n in have) for n in misfit):  # on one side only
-            hint = (" (fp32 main params are kept only for params below float32: set precision.param_dtype as the run "
-                    "that saved it did)")  # fmt: skip
+        if all(n.startswith(("main_params/", "grad_scaler/")) and (n in want) != (n in have) for n in misfit):
+            hint = (" (fp32 main params are kept only for params below float32, a loss scaler's state only for "
+                    "float16: set precision.param_dtype as the run that saved it did)")  # on one side only; fmt: skip
         raise CheckpointError(
             f"checkpoint step {step} in {directory} does not fit the model ({len(bad)} arrays): "
             + "; ".join(bad[:20]) + hint

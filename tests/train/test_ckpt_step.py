@@ -58,8 +58,13 @@ def test_a_step_fits_a_model_of_its_shapes_and_dtypes_whatever_its_step():
         check_fits(6, "ck", meta_of(moments), target)
     kept = {**state(), "main_params": state()["params"]}  # a bf16 run's checkpoint, its fp32 main params beside
     with pytest.raises(CheckpointError, match=r"main_params/blocks/1/w: checkpoint \[4, 2\] vs model absent.* \(fp32 "
-                       r"main params are kept only for params below float32: set precision.param_dtype as the run"):
+                       r"main params are kept only for params below float32, a loss scaler's state only for float16: "
+                       r"set precision.param_dtype as the run"):  # fmt: skip
         check_fits(6, "ck", meta_of(kept), target)
+    scaled = {**state(), "grad_scaler": {"loss_scale": jnp.zeros(())}}  # fp16's, into a bf16 or fp32 run
+    with pytest.raises(CheckpointError, match=r"grad_scaler/loss_scale: checkpoint \[\] vs model absent \(fp32 main "
+                       r"params .* a loss scaler's state only for float16: set precision.param_dtype"):  # fmt: skip
+        check_fits(6, "ck", meta_of(scaled), target)
 
 
 def test_a_fifo_as_the_metadata_is_a_damaged_step_not_a_hang(tmp_path):
