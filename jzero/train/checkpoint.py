@@ -426,7 +426,7 @@ class Checkpointer:
                 try:
                     self._within_timeout(step, self.manager.wait_until_finished)
                 except RunError:
-                    pass
+                    pass  # the run's own failure is its report; this save's failure or stall is not added to it
             if not self._stalled:  # orbax's close would wait for the stalled save, without a bound
                 try:
                     self.manager.close()
