@@ -142,11 +142,12 @@ def target_devices(cfg: Config, target: str, topology: str | None) -> tuple[list
         return None, None
     from jzero.inspect import targets
 
+    given = topology is not None
     topology = topology or default_topology(GPUS_PER_HOST if cfg.mesh.dp == AUTO_DP else cfg.n_devices)
     try:
         n = math.prod(targets.parse_topology(topology))
-    except ValueError as e:
-        raise ConfigError(f"--topology: {e}") from None
+    except ValueError as e:  # a topology made from the mesh is the mesh's fault, not --topology's
+        raise ConfigError(f"--topology: {e}" if given else f"the mesh's {cfg.n_devices} devices: {e}") from None
     m = cfg.mesh.resolve(n)
     shape = (m.dp_outer, m.dp, m.ep, m.tp)
     if math.prod(shape) != n:

@@ -153,6 +153,14 @@ def test_topology_of_too_many_gpus_is_refused_before_jax_starts(topology, gpus, 
         )
 
 
+def test_a_mesh_of_too_many_gpus_without_topology_names_the_mesh_not_the_flag(capsys):
+    """The topology made from the mesh (no --topology given) was refused as "--topology: ..."."""
+    argv = ["hlo", "--target", "h100", "--set", "mesh.dp=1048576", "--set", "train.global_batch=1048576"]
+    assert jzero(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jzero: error: the mesh's 1048576 devices: GPU topology '131072 x 1 x 8' has 1048576 GPUs")
+
+
 @pytest.mark.parametrize("path", ["flat", "owned"])
 def test_layout_rank_outside_the_resolved_mesh(path, capsys):
     """mesh.dp=-1 (the default): the size is the devices' (the test session's 8), checked once the layout is built;
