@@ -19,7 +19,7 @@ from jzero import peers
 from jzero.config import Config, ConfigError, load_config
 from jzero.errors import CheckpointError, JzeroError, Preempted
 from jzero.imports import quiet_cuda_stub
-from jzero.paths import nearest_existing, refuse_other_runs_files
+from jzero.paths import refuse_other_runs_files, refuse_unwritable
 from jzero.zero.config import ZeroPath
 
 
@@ -102,11 +102,7 @@ def check_train_args(args) -> tuple[Config, Path]:
     out = Path(args.out) if args.out else Path("runs")
     # Before JAX starts, and creating nothing: could `train` make `out` and write in it?
     name = f"--out {out}" if args.out else f"output directory {out}/<timestamp>"
-    existing, what = nearest_existing(out)
-    if what is not None:
-        raise ConfigError(f"{name} is {what}" if args.out and existing == out else f"{name}: {existing} is {what}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name}: directory {existing} is not writable")
+    refuse_unwritable(out, name, out_is_named=bool(args.out))
     if args.out and args.resume is None:  # --out is owned as checkpoint.dir is: only --resume continues its files
         refuse_other_runs_files(out, name)
     return cfg, out

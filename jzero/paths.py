@@ -24,6 +24,19 @@ def nearest_existing(path: Path) -> tuple[Path, str | None]:
     return existing, "not a directory"
 
 
+def refuse_unwritable(out: Path, name: str, out_is_named: bool = True) -> None:
+    """ConfigError where a directory cannot be made at `out` (called `name`), or written in, before anything is
+    created: the nearest existing of it and its parents is a file, a dangling link, or not writable. With
+    `out_is_named` False, `name` speaks of a folder to be made under `out`, so what is wrong is always said of
+    the path that has it."""
+    existing, what = nearest_existing(Path(out))
+    if what is not None:
+        where = name if out_is_named and existing == Path(out) else f"{name}: {existing}"
+        raise ConfigError(f"{where} is {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}: directory {existing} is not writable")
+
+
 def refuse_other_runs_files(out: Path, name: str, hint: str = "choose a new --out, or continue that run with --resume"):
     """ConfigError where `out` (called `name` in the message, with `hint` after) holds another run's
     `RUN_FILES`: a fresh run never replaces them; only a resume continues them."""

@@ -10,15 +10,14 @@ runs, so the parser costs nothing.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from jzero.config import Config, ConfigError, MlpKind, NormKind, OptimizerName, PosKind, load_config
 from jzero.errors import CheckpointError
 from jzero.imports import default_platforms, quiet_cuda_stub
-from jzero.interop.megatron_format import TRACKER
-from jzero.paths import nearest_existing
+from jzero.interop.megatron_format import refuse_to_overwrite
+from jzero.paths import refuse_unwritable
 
 
 def add_parsers(ckpt_sub, with_config) -> None:
@@ -108,7 +107,7 @@ def _cmd_import(args) -> int:
             f"--bucket-size {args.bucket_size} is for the legacy format, whose files do not record their buckets; "
             f"{source} is torch_dist, which does: drop --bucket-size"
         )
-    _check_out_dir(Path(args.out))  # before the config, JAX and the read
+    refuse_unwritable(Path(args.out), f"OUT_DIR {args.out}")  # before the config, JAX and the read
     cfg, run, names, _ = _setup(args, args.bucket_size)
     _refuse_jzero_steps(Path(args.out))  # before the read
     import jax
@@ -136,15 +135,6 @@ def _cmd_import(args) -> int:
         f"--set checkpoint.dir={args.out} --resume   (train.steps={cfg.train.steps})"
     )
     return 0
-
-
-def _check_out_dir(out: Path) -> None:
-    """OUT_DIR a directory jzero can make (or has) and write in, as `jzero train --out` checks its own."""
-    existing, what = nearest_existing(out)
-    if what is not None:
-        raise ConfigError(f"OUT_DIR {out} is {what}" if existing == out else f"OUT_DIR {out}: {existing} is {what}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"OUT_DIR {out}: directory {existing} is not writable")
 
 
 def _refuse_jzero_steps(out: Path) -> None:
@@ -296,8 +286,8 @@ def megatron_args(cfg: Config, parallel: tuple[int, int, int]) -> dict:
 
 def _cmd_export(args) -> int:
     parallel = _export_parallel(args)
-    _check_out_dir(Path(args.out))  # these two before the config, JAX and the restore
-    _refuse_to_overwrite(Path(args.out), args.step)
+    refuse_unwritable(Path(args.out), f"OUT_DIR {args.out}")  # these two before the config, JAX and the restore
+    refuse_to_overwrite(Path(args.out), args.step, "OUT_DIR")
     cfg, run, names, order = _setup(args, args.bucket_size)
     from jzero.interop import megatron
     from jzero.train.checkpoint import Checkpointer
@@ -307,7 +297,7 @@ def _cmd_export(args) -> int:
         state, step = _restore(reader, args.step)
     finally:
         reader.close()
-    _refuse_to_overwrite_iteration(Path(args.out), step)  # the newest step's: known only now
+    refuse_to_overwrite(Path(args.out), step, "OUT_DIR")  # the newest step's: known only now
     hp = hyperparams(cfg)
     m = cfg.model
     dist = args.ckpt_format == "torch_dist"
@@ -350,25 +340,6 @@ def _restore(reader, step: int | None):
         others = [s for s in steps if s != step]
         hint = f"; export another of its steps with --step N ({ckpt_dir.span(others)})" if others else ""
         raise CheckpointError(f"{e}{hint}") from None
-
-
-def _refuse_to_overwrite(out: Path, step: int | None) -> None:
-    """OUT_DIR's Megatron tracker, another run's (Megatron would load jzero's iteration instead of its own), and
-    with --step its iter_N folder: refused before any work. `megatron.save` checks the tracker again as it
-    writes, for one that appears meanwhile (and for its other callers)."""
-    tracker = out / TRACKER
-    if tracker.exists() or tracker.is_symlink():
-        raise ConfigError(f"{tracker} exists: jzero never overwrites a checkpoint's tracker; choose another directory")
-    if step is not None:
-        _refuse_to_overwrite_iteration(out, step)
-
-
-def _refuse_to_overwrite_iteration(out: Path, step: int) -> None:
-    folder = out / f"iter_{step:07d}"
-    if folder.exists() or folder.is_symlink():
-        raise ConfigError(
-            f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another OUT_DIR"
-        )
 
 
 def _export_parallel(args) -> tuple[int, int, int]:

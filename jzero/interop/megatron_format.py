@@ -11,6 +11,7 @@ its unpadded size alone (`layout_bucket_numels`) and a param by its (bucket, sta
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from jzero.interop import InteropError
 from jzero.zero.flat.buffers import build_layout
@@ -19,6 +20,20 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE, OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
 EXTRA_STATE = "_extra_state"  # Megatron's per-module extra state (None for its local layers)
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def refuse_to_overwrite(out: Path, iteration: int | None, name: str = "directory") -> None:
+    """InteropError where `out` (called `name`) holds a Megatron tracker, another run's (Megatron would load
+    jzero's iteration instead of its own), or, with `iteration`, its `iter_N` folder: jzero never overwrites
+    either. The export asks before any work and again as it writes (one that appeared meanwhile)."""
+    tracker = out / TRACKER
+    if tracker.exists() or tracker.is_symlink():
+        raise InteropError(f"{tracker} exists: jzero never overwrites a checkpoint's tracker; choose another directory")
+    folder = out / f"iter_{iteration:07d}" if iteration is not None else None
+    if folder is not None and (folder.exists() or folder.is_symlink()):
+        raise InteropError(
+            f"{folder} exists: jzero never overwrites a checkpoint; move it away or choose another {name}"
+        )
 
 
 def bucket_positions(numels: Sequence[int], bucket_numels: Sequence[int], where: str) -> list[tuple[int, int]]:

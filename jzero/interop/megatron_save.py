@@ -36,6 +36,7 @@ from jzero.interop.megatron_format import (
     TRACKER,
     bucket_positions,
     layout_bucket_numels,
+    refuse_to_overwrite,
 )
 from jzero.interop.megatron_names import OPTAX_MOMENT, adam_moment, names_per_param
 from jzero.interop.megatron_parallel import (
@@ -337,7 +338,7 @@ def write(
     _check_divides(model, tp, query_groups, what)
     whole = {"model": model, "param": main, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     dtype_key = (torch_format.torch_dtype(model[params_order[0]].dtype), torch_format.TorchDType(grad_dtype))
-    _refuse_to_overwrite(Path(path), iteration)
+    refuse_to_overwrite(Path(path), iteration)
     if ckpt_format == "torch_dist":
         return _write_torch_dist(path, iteration, whole, order, params_order, param_groups, scheduler, bucket_size,
                                  dtype_key, (tp, pp, ep), tied, data_parallel, model_args, what)  # fmt: skip
@@ -387,17 +388,6 @@ def write(
     return folder
 
 
-def _refuse_to_overwrite(out: Path, iteration: int) -> None:
-    """One line for `out`'s iter_N or tracker that exists: another run's (Megatron would load jzero's iteration
-    instead of its own), never overwritten."""
-    folder = out / f"iter_{iteration:07d}"
-    if folder.exists() or folder.is_symlink():
-        raise InteropError(f"{folder} exists: jzero never overwrites a checkpoint")
-    tracker = out / TRACKER
-    if tracker.exists() or tracker.is_symlink():
-        raise InteropError(f"{tracker} exists: jzero never overwrites a checkpoint's tracker; choose another directory")
-
-
 def _write_all_or_nothing(out: Path, iteration: int, fill: Callable[[Path], None]) -> None:
     """Writes `out/iter_N` (`fill(folder)` writes its files into `folder`, made by it) and the tracker, so that a
     failure leaves nothing Megatron would read (it reads the tracker, then iter_N): every byte goes into a fresh
@@ -414,7 +404,7 @@ def _write_all_or_nothing(out: Path, iteration: int, fill: Callable[[Path], None
         staged = True
         fill(staging / folder.name)
         (staging / TRACKER).write_text(str(iteration))
-        _refuse_to_overwrite(out, iteration)  # one that appeared while this call wrote
+        refuse_to_overwrite(out, iteration)  # one that appeared while this call wrote
         os.rename(staging / folder.name, folder)
         placed = True
         os.replace(staging / TRACKER, out / TRACKER)
